@@ -1,0 +1,54 @@
+"""The `kiln` command line."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from kiln import frontend
+from kiln.errors import KilnError
+from kiln.pipeline import CompileOptions, compile_model
+from kiln.plan import partitioner_names
+from kiln.report import format_report
+
+
+def _compile(args: argparse.Namespace) -> int:
+    from kiln.profile.local import default_store
+
+    shapes = dict(frontend.parse_shape_arg(s) for s in args.shape)
+    options = CompileOptions(partitioner=args.partitioner, shapes=shapes)
+    result = compile_model(args.model, options, default_store(args.profile_db))
+    if args.report_json:
+        Path(args.report_json).write_text(json.dumps(result.report, indent=2))
+    print(format_report(result.report))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kiln", description="Kiln operator-fusion compiler")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    compile_cmd = commands.add_parser("compile", help="compile an ONNX model")
+    compile_cmd.add_argument("model", help="path to an .onnx file")
+    compile_cmd.add_argument("--partitioner", default="dnnfusion", choices=partitioner_names())
+    compile_cmd.add_argument("--shape", action="append", default=[], metavar="NAME=D0,D1,…",
+                             help="value of an input's symbolic dimensions (repeatable)")
+    compile_cmd.add_argument("--report-json", metavar="FILE", help="write the fusion report here")
+    compile_cmd.add_argument("--profile-db", metavar="FILE",
+                             help="profile database (default $KILN_PROFILE_DB or ~/.cache/kiln)")
+    compile_cmd.set_defaults(handler=_compile)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except KilnError as exc:
+        print(f"kiln: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

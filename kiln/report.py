@@ -1,0 +1,50 @@
+"""The fusion report: what the compiler did to a model, as JSON and as a readable table."""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from kiln.ecg import Graph
+from kiln.plan import FusionPlan
+
+
+def fusion_report(graph: Graph, plan: FusionPlan, seconds: dict[str, float],
+                  onnx_nodes: int) -> dict[str, Any]:
+    cil = sum(1 for op in graph.ops if op.compute_intensive)
+    refusals = Counter(d.reason.split(":")[0] for d in plan.decisions if not d.fused)
+    return {
+        "model": graph.name,
+        "partitioner": plan.partitioner,
+        "onnx_nodes": onnx_nodes,
+        "ops_before": len(graph.ops),
+        "cil_before": cil,
+        "mil_before": len(graph.ops) - cil,
+        "kernels": plan.kernels,
+        "fusion_rate": round(len(graph.ops) / plan.kernels, 3) if plan.kernels else 0.0,
+        "irs_bytes_before": graph.irs_bytes,
+        "irs_bytes_after": plan.irs_bytes,
+        "yellow_lookups": plan.yellow_lookups,
+        "refusals": dict(sorted(refusals.items())),
+        "seconds": {stage: round(s, 4) for stage, s in seconds.items()},
+        "blocks": [{"id": b.id, "name": b.name, "ops": len(b.op_ids), "mapping": b.mapping.label,
+                    "anchor": b.anchor} for b in plan.blocks],
+    }
+
+
+def format_report(report: dict[str, Any]) -> str:
+    mib = 1 << 20
+    rows = [
+        ("model", report["model"]),
+        ("partitioner", report["partitioner"]),
+        ("ONNX nodes", report["onnx_nodes"]),
+        ("ops before (CIL / MIL)", f"{report['ops_before']} ({report['cil_before']} / "
+                                   f"{report['mil_before']})"),
+        ("kernels after", report["kernels"]),
+        ("fusion rate", f"{report['fusion_rate']:.2f}x"),
+        ("intermediate results", f"{report['irs_bytes_before'] / mib:.1f} MiB -> "
+                                 f"{report['irs_bytes_after'] / mib:.1f} MiB"),
+        ("yellow lookups", report["yellow_lookups"]),
+    ]
+    rows += [(f"seconds: {stage}", f"{s:.3f}") for stage, s in report["seconds"].items()]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)

@@ -1,0 +1,182 @@
+"""Fusion planning: legality, acyclicity on random DAGs, the baselines, and DNNFusion's choices."""
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import numpy as np
+from hypothesis import given, settings, strategies as st
+
+from kiln.ecg import Graph, Op, Tensor
+from kiln.mapping import MappingType as M
+from kiln.plan import FusionPlan, partitioner
+from kiln.profile import COST_MODEL, Estimate
+from tests.graphs import ecg
+
+TYPE_FOR = {M.ONE_TO_ONE: "Relu", M.REORGANIZE: "Reshape", M.SHUFFLE: "Transpose",
+            M.ONE_TO_MANY: "Expand", M.MANY_TO_MANY: "Softmax"}
+
+
+class RandomLatencies:
+    """Arbitrary (but repeatable) latency answers: plans must be valid whatever the store says."""
+
+    def __init__(self, seed: int):
+        self.rng = random.Random(seed)
+        self.answers: dict[tuple[str, ...], float] = {}
+
+    def latency(self, graph, op_ids):
+        key = tuple(op_ids)
+        if key not in self.answers:
+            self.answers[key] = self.rng.uniform(1e-6, 1e-3)
+        return Estimate(self.answers[key], COST_MODEL)
+
+    def record(self, graph, op_ids, seconds, source="measured"):
+        pass
+
+
+@st.composite
+def random_dags(draw):
+    n = draw(st.integers(2, 40))
+    tensors = {"x": Tensor("x", (4, 4), "float32")}
+    ops = []
+    for i in range(n):
+        available = ["x"] + [op.outputs[0] for op in ops]
+        k = draw(st.integers(1, min(3, len(available))))
+        inputs = tuple(draw(st.lists(st.sampled_from(available), min_size=k, max_size=k)))
+        mapping = draw(st.sampled_from(list(M)))
+        op_type = TYPE_FOR[mapping] if len(inputs) == 1 else "Add"
+        out = f"t{i}"
+        tensors[out] = Tensor(out, (4, 4), "float32")
+        ops.append(Op(f"op{i}", op_type, inputs, (out,), mapping=mapping,
+                      compute_intensive=mapping == M.MANY_TO_MANY and draw(st.booleans())))
+    consumed = {t for op in ops for t in op.inputs}
+    outputs = [op.outputs[0] for op in ops if op.outputs[0] not in consumed]
+    return Graph(tensors, ops, ["x"], outputs)
+
+
+def block_dag_is_acyclic(plan: FusionPlan) -> bool:
+    graph = plan.graph
+    edges = {b.id: set() for b in plan.blocks}
+    for op in graph.ops:
+        for pred in graph.predecessors(op):
+            a, b = plan.block_of[pred.id], plan.block_of[op.id]
+            if a != b:
+                edges[a].add(b)
+    state: dict[str, int] = {}
+
+    def visit(node: str) -> bool:  # True if a cycle is reachable
+        state[node] = 1
+        for nxt in edges[node]:
+            if state.get(nxt) == 1 or (nxt not in state and visit(nxt)):
+                return True
+        state[node] = 2
+        return False
+
+    return not any(node not in state and visit(node) for node in edges)
+
+
+@settings(max_examples=150, deadline=None)
+@given(graph=random_dags(), seed=st.integers(0, 1000))
+def test_every_partitioner_makes_acyclic_complete_plans(graph, seed):
+    for name in ("none", "fixed", "dnnfusion"):
+        plan = partitioner(name)(graph, RandomLatencies(seed))
+        members = [op_id for b in plan.blocks for op_id in b.op_ids]
+        assert sorted(members) == sorted(op.id for op in graph.ops)
+        assert block_dag_is_acyclic(plan)
+        position = {b.id: i for i, b in enumerate(plan.blocks)}
+        for op in graph.ops:  # blocks are listed in an executable order
+            for pred in graph.predecessors(op):
+                assert position[plan.block_of[pred.id]] <= position[plan.block_of[op.id]]
+
+
+@settings(max_examples=100, deadline=None)
+@given(graph=random_dags(), seed=st.integers(0, 1000))
+def test_dnnfusion_never_fuses_red_pairs(graph, seed):
+    plan = partitioner("dnnfusion")(graph, RandomLatencies(seed))
+    for block in plan.blocks:
+        ops = [graph.op_by_id[i] for i in block.op_ids]
+        assert sum(op.mapping == M.MANY_TO_MANY for op in ops) <= 1
+        for edge in block.edges:
+            producer = graph.op_by_id[edge.producer]
+            consumer = graph.op_by_id[edge.consumer]
+            assert not (producer.mapping == M.ONE_TO_MANY and consumer.mapping == M.MANY_TO_MANY)
+
+
+def bias_gelu_graph():
+    """MatMul → Add(bias) → GELU (erf form) → MatMul: the BERT feed-forward shape."""
+    shapes = {"x": (1, 8, 16), "w1": (16, 32), "b1": (32,), "h": (1, 8, 32), "hb": (1, 8, 32),
+              "c": (), "d": (1, 8, 32), "e": (1, 8, 32), "one": (), "f": (1, 8, 32),
+              "half": (), "g": (1, 8, 32), "y": (1, 8, 32), "w2": (32, 16), "z": (1, 8, 16)}
+    constants = {name: np.ones(shapes[name], np.float32) for name in ("w1", "b1", "c", "one", "half", "w2")}
+    ops = [("MatMul", ["x", "w1"], ["h"]), ("Add", ["h", "b1"], ["hb"]), ("Div", ["hb", "c"], ["d"]),
+           ("Erf", ["d"], ["e"]), ("Add", ["e", "one"], ["f"]), ("Mul", ["hb", "f"], ["g"]),
+           ("Mul", ["g", "half"], ["y"]), ("MatMul", ["y", "w2"], ["z"])]
+    return ecg(ops, shapes, ["x"], ["z"], constants)
+
+
+def test_dnnfusion_grows_from_the_seed_as_listing_1_does():
+    # Seed: Add(bias), the first One-to-One op with the smallest result. Successors come first, so the
+    # GELU chain joins the second MatMul as its prologue (O2O + M2M is green, as Add + Conv in the
+    # paper's Figure 3); the first MatMul is then refused (M2M + M2M is red) and stays alone.
+    graph = bias_gelu_graph()
+    plan = partitioner("dnnfusion")(graph, RandomLatencies(0))
+    assert plan.kernels == 2
+    first, second = plan.blocks
+    assert first.op_ids == ("op0",)
+    assert [graph.op_by_id[i].op_type for i in second.op_ids] == ["Add", "Div", "Erf", "Add", "Mul", "Mul", "MatMul"]
+    assert second.anchor == "op7" and second.mapping == M.MANY_TO_MANY
+    assert second.name == "fused_add_div_erf_mul_matmul"
+    assert second.inputs[0] == "h" and second.outputs == ("z",)
+    assert [op.ir_removable for op in plan.graph.ops] == [False] + [True] * 6 + [False]
+    refused = [d for d in plan.decisions if d.second == "op0" and not d.fused]
+    assert refused and refused[0].reason == "red: Many-to-Many + Many-to-Many"
+
+
+def test_baselines_on_the_feed_forward_graph():
+    graph = bias_gelu_graph()
+    assert partitioner("none")(graph, RandomLatencies(0)).kernels == 8
+    fixed = partitioner("fixed")(graph, RandomLatencies(0))
+    # MatMul's epilogue stops after Add(bias), whose output has two consumers (Div and Mul); the
+    # GELU chain is its own group; the second MatMul's output is the model's output.
+    assert [len(b.op_ids) for b in fixed.blocks] == [2, 5, 1]
+
+
+def test_fusing_across_a_side_path_would_be_a_cycle():
+    # a = Softmax(x); b = Softmax(a); c = Add(a, b). The seed Add may not take `a` while `b` is
+    # outside its block: a → b → Add would leave and re-enter the block.
+    shapes = {n: (2, 3) for n in ("x", "a", "b", "c")}
+    graph = ecg([("Softmax", ["x"], ["a"]), ("Softmax", ["a"], ["b"]), ("Add", ["a", "b"], ["c"])],
+                shapes, ["x"], ["c"])
+    plan = partitioner("dnnfusion")(graph, RandomLatencies(1))
+    assert block_dag_is_acyclic(plan)
+    assert [b.op_ids for b in plan.blocks] == [("op0",), ("op1", "op2")]
+    assert [d.reason for d in plan.decisions if d.second == "op0"][0] == "illegal: would create a cycle"
+
+
+def test_constraints_bound_block_size():
+    n = 60
+    shapes = {f"t{i}": (4,) for i in range(n + 1)}
+    graph = ecg([("Relu", [f"t{i}"], [f"t{i+1}"]) for i in range(n)], shapes, ["t0"], [f"t{n}"])
+    plan = partitioner("dnnfusion")(graph, RandomLatencies(0))
+    assert max(len(b.op_ids) for b in plan.blocks) <= 48
+    assert any(d.reason.startswith("constraint") for d in plan.decisions)
+
+
+def test_yellow_cases_follow_the_store():
+    # Softmax (M2M) → Reshape (REO) is yellow: fused only if the store says it is faster.
+    shapes = {"x": (2, 6), "s": (2, 6), "shape": (2,), "r": (3, 4)}
+    constants = {"shape": np.array([3, 4], np.int64)}
+    graph = ecg([("Softmax", ["x"], ["s"]), ("Reshape", ["s", "shape"], ["r"])], shapes, ["x"], ["r"], constants)
+
+    class Store(RandomLatencies):
+        def __init__(self, fused_cost):
+            super().__init__(0)
+            self.fused_cost = fused_cost
+
+        def latency(self, graph, op_ids):
+            return Estimate(self.fused_cost if len(op_ids) == 2 else 1.0, COST_MODEL)
+
+    assert partitioner("dnnfusion")(graph, Store(1.5)).kernels == 1
+    slower = partitioner("dnnfusion")(graph, Store(2.5))
+    assert slower.kernels == 2 and slower.yellow_lookups == 1
+    assert any(d.reason == "yellow: slower fused" for d in slower.decisions)
