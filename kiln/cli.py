@@ -1,7 +1,8 @@
-"""The `kiln` command line."""
+"""The `kiln` command line. Each package adds its own subcommands through `add_commands`."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -11,6 +12,9 @@ from kiln.errors import KilnError
 from kiln.pipeline import CompileOptions, compile_model
 from kiln.plan import partitioner_names
 from kiln.report import format_report
+
+# Modules defining `add_commands(subparsers)`; each registers its subcommands.
+COMMAND_MODULES: tuple[str, ...] = ()
 
 
 def _compile(args: argparse.Namespace) -> int:
@@ -25,19 +29,25 @@ def _compile(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_compile_command(commands) -> argparse.ArgumentParser:
+    cmd = commands.add_parser("compile", help="compile an ONNX model")
+    cmd.add_argument("model", help="path to an .onnx file")
+    cmd.add_argument("--partitioner", default="dnnfusion", choices=partitioner_names())
+    cmd.add_argument("--shape", action="append", default=[], metavar="NAME=D0,D1,…",
+                     help="value of an input's symbolic dimensions (repeatable)")
+    cmd.add_argument("--report-json", metavar="FILE", help="write the fusion report here")
+    cmd.add_argument("--profile-db", metavar="FILE",
+                     help="profile database (default $KILN_PROFILE_DB or ~/.cache/kiln)")
+    cmd.set_defaults(handler=_compile)
+    return cmd
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kiln", description="Kiln operator-fusion compiler")
     commands = parser.add_subparsers(dest="command", required=True)
-
-    compile_cmd = commands.add_parser("compile", help="compile an ONNX model")
-    compile_cmd.add_argument("model", help="path to an .onnx file")
-    compile_cmd.add_argument("--partitioner", default="dnnfusion", choices=partitioner_names())
-    compile_cmd.add_argument("--shape", action="append", default=[], metavar="NAME=D0,D1,…",
-                             help="value of an input's symbolic dimensions (repeatable)")
-    compile_cmd.add_argument("--report-json", metavar="FILE", help="write the fusion report here")
-    compile_cmd.add_argument("--profile-db", metavar="FILE",
-                             help="profile database (default $KILN_PROFILE_DB or ~/.cache/kiln)")
-    compile_cmd.set_defaults(handler=_compile)
+    add_compile_command(commands)
+    for module in COMMAND_MODULES:
+        importlib.import_module(module).add_commands(commands)
     return parser
 
 

@@ -27,6 +27,7 @@ MAX_TENSOR_ELEMENTS = 1 << 31  # larger tensors cannot be indexed with 32-bit of
 FOLD_MAX_GROWTH = 4  # a folded constant may be at most this many times its inputs' bytes…
 FOLD_SMALL_BYTES = 1 << 20  # …unless it is below this size
 PASS_THROUGH_OPS = ("Identity", "Dropout")
+FOLD_IR_VERSION = 10  # accepted by every onnxruntime Kiln supports
 NON_FOLDABLE_OPS = frozenset({
     "RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial",
     "Bernoulli", "If", "Loop", "Scan",
@@ -375,9 +376,7 @@ def _shape_or_size(node: onnx.NodeProto, shape: tuple[int, ...], opset: int) -> 
 
 
 def _evaluate(node: onnx.NodeProto, inputs: list[np.ndarray | None], opset: int) -> list[np.ndarray]:
-    """Run one node with onnx's reference evaluator (used only for constant folding)."""
-    from onnx.reference import ReferenceEvaluator
-
+    """Run one node on constant inputs (constant folding): onnxruntime, else onnx's reference."""
     names = [f"in{i}" if x is not None else "" for i, x in enumerate(inputs)]
     copy = onnx.NodeProto()
     copy.CopyFrom(node)
@@ -389,15 +388,31 @@ def _evaluate(node: onnx.NodeProto, inputs: list[np.ndarray | None], opset: int)
         [copy], "fold",
         [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(x.dtype), x.shape)
          for n, x in zip(names, inputs) if n],
-        [helper.make_tensor_value_info(o, onnx.TensorProto.UNDEFINED, None)
-         for o in copy.output if o])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset or 21)])
+        [onnx.ValueInfoProto(name=o) for o in copy.output if o])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset or 21)],
+                              ir_version=FOLD_IR_VERSION)
+    feeds = {n: x for n, x in zip(names, inputs) if n}
     try:
-        results = ReferenceEvaluator(model).run(None, {n: x for n, x in zip(names, inputs) if n})
+        return _run_onnxruntime(model, feeds)
+    except Exception:  # an op or type onnxruntime lacks: the reference evaluator may have it
+        pass
+    try:
+        from onnx.reference import ReferenceEvaluator
+        return [np.asarray(r) for r in ReferenceEvaluator(model).run(None, feeds)]
     except Exception as exc:  # the reference ops raise arbitrary exceptions on bad constants
         raise ModelError(f"could not fold constant {node.op_type} node "
                          f"{node.name or node.output[0]!r}: {_first_line(exc)}") from exc
-    return [np.asarray(r) for r in results]
+
+
+def _run_onnxruntime(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    import onnxruntime
+
+    options = onnxruntime.SessionOptions()
+    options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.log_severity_level = 4
+    session = onnxruntime.InferenceSession(model.SerializeToString(), options,
+                                           providers=["CPUExecutionProvider"])
+    return [np.asarray(r) for r in session.run(None, feeds)]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,64 @@
+"""Compilation targets: which machine the generated code runs on and how it is built."""
+from __future__ import annotations
+
+import platform
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from kiln.errors import KilnError
+
+TARGET_NAMES = ("host", "x86_64", "aarch64")
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str  # "host", "x86_64" or "aarch64"
+    arch: str  # "x86_64" or "aarch64"
+    isa: tuple[str, ...]  # vector ISA features code may use: "avx512f", "avx2", "fma", "neon"
+    cc: str  # C compiler command
+    cflags: tuple[str, ...]  # ISA flags for that compiler
+
+    @property
+    def vector_bytes(self) -> int:
+        if "avx512f" in self.isa:
+            return 64
+        if "avx2" in self.isa:
+            return 32
+        return 16  # SSE / NEON
+
+    @property
+    def is_native(self) -> bool:
+        return self.arch == platform.machine()
+
+
+def target(name: str) -> Target:
+    if name == "host":
+        return host_target()
+    if name == "x86_64":
+        return Target("x86_64", "x86_64", ("avx2", "fma"), "gcc", ("-mavx2", "-mfma"))
+    if name == "aarch64":
+        cc = "gcc" if platform.machine() == "aarch64" else "aarch64-linux-gnu-gcc"
+        return Target("aarch64", "aarch64", ("neon",), cc, ("-march=armv8-a",))
+    raise KilnError(f"unknown target {name!r}; choose one of {', '.join(TARGET_NAMES)}")
+
+
+@lru_cache(maxsize=1)
+def host_target() -> Target:
+    arch = platform.machine()
+    flags = _cpu_flags()
+    if arch == "aarch64":
+        return Target("host", arch, ("neon",), "gcc", ("-mcpu=native",))
+    isa = tuple(f for f in ("avx512f", "avx2", "fma") if f in flags)
+    return Target("host", arch, isa, "gcc", ("-march=native",))
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            return set(line.split(":", 1)[1].split())
+    return set()
