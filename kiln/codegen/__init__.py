@@ -6,8 +6,10 @@ Kernel ABI, shared by the code generator and the runtime that calls the kernels:
 
 `args[i]` points to the buffer of tensor `Kernel.args[i]` (dense, row-major, the tensor's dtype).
 The args are the block's inputs the kernel reads (activations, weights, and derived constants it
-asked for), then the block's outputs it writes. Kernels may use OpenMP; the runtime sets the thread
-count. A kernel never allocates, never keeps state between calls and never writes its inputs.
+asked for), then the block's outputs it writes; when `scratch_bytes` > 0, one more pointer to that
+many bytes of 64-byte-aligned scratch memory follows (the runtime owns it and may reuse it between
+kernels). Kernels may use OpenMP; the runtime sets the thread count. A kernel never allocates,
+never keeps state between calls and never writes its inputs.
 """
 from __future__ import annotations
 
@@ -26,3 +28,4 @@ class Kernel:
     outputs: tuple[str, ...]  # the ids among `args` the kernel writes
     derived_constants: dict[str, np.ndarray] = field(default_factory=dict)  # e.g. packed weights
     schedule: dict[str, Any] = field(default_factory=dict)  # parameters the source was made with
+    scratch_bytes: int = 0
