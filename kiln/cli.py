@@ -14,7 +14,7 @@ from kiln.plan import partitioner_names
 from kiln.report import format_report
 
 # Modules defining `add_commands(subparsers)`; each registers its subcommands.
-COMMAND_MODULES: tuple[str, ...] = ()
+COMMAND_MODULES: tuple[str, ...] = ("kiln.runtime.cli",)
 
 
 def _compile(args: argparse.Namespace) -> int:

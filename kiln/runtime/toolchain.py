@@ -1,0 +1,150 @@
+"""Compiling and linking generated C for a target, with objects cached by content hash.
+
+An object's key is the SHA-256 of (source, compiler command, flags, `compiler --version`); it
+is stored as `<cache>/<key[:2]>/<key>.o` next to its source, both written through a temporary
+file and a rename, so a kernel seen before — in this model or any earlier one — is never
+compiled again, and concurrent builds never see half-written files.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+from kiln.errors import KilnError
+from kiln.profile.machine import cache_dir
+from kiln.target import Target
+
+BASE_FLAGS = ("-O3", "-fopenmp", "-fPIC")
+LIBS = ("-lm",)
+STDERR_LINES = 20
+CROSS_PACKAGES = {"aarch64": "gcc-aarch64-linux-gnu", "x86_64": "gcc-x86-64-linux-gnu"}
+
+
+class ToolchainError(KilnError):
+    """The C compiler is missing or rejected generated code."""
+
+
+@dataclass(frozen=True)
+class Compiler:
+    command: str  # resolved path of the compiler
+    flags: tuple[str, ...]
+    version: str  # first line of `--version`
+    arch: str
+
+    def key(self, source: str) -> str:
+        text = json.dumps([source, self.command, self.flags, self.version])
+        return hashlib.sha256(text.encode()).hexdigest()
+
+
+def compiler_for(target: Target) -> Compiler:
+    return _compiler(target.cc, target.cflags, target.arch)
+
+
+@cache
+def _compiler(cc: str, cflags: tuple[str, ...], arch: str) -> Compiler:
+    command = shutil.which(cc)
+    if command is None:
+        package = CROSS_PACKAGES.get(arch, "gcc")
+        raise ToolchainError(f"C compiler {cc!r} for {arch} targets is not installed; install "
+                             f"it with `apt-get install {package}`")
+    machine = _output([command, "-dumpmachine"]).strip()
+    if not machine.startswith(arch):
+        raise ToolchainError(f"C compiler {cc!r} builds for {machine}, not for {arch}")
+    version = _output([command, "--version"]).splitlines()[0]
+    return Compiler(command, BASE_FLAGS + tuple(cflags), version, arch)
+
+
+def _output(argv: Sequence[str]) -> str:
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as exc:
+        raise ToolchainError(f"cannot run {argv[0]}: {exc}") from exc
+
+
+def default_build_cache() -> Path:
+    return cache_dir() / "build"
+
+
+class BuildCache:
+    """Object files by key; counts what it compiled and what it found."""
+
+    def __init__(self, root: Path | None = None):
+        self.root = Path(root) if root is not None else default_build_cache()
+        self.compiled = 0
+        self.reused = 0
+
+    def objects(self, compiler: Compiler, sources: Mapping[str, str]) -> dict[str, Path]:
+        """Object files for `sources` (name -> C source), compiling the missing ones in parallel."""
+        keys = {name: compiler.key(source) for name, source in sources.items()}
+        missing = {keys[name]: (name, source) for name, source in sources.items()
+                   if not self._path(keys[name]).is_file()}
+        self.reused += len(set(keys.values())) - len(missing)
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            for _ in pool.map(lambda item: self._compile(compiler, item[0], *item[1]),
+                              missing.items()):
+                self.compiled += 1
+        return {name: self._path(key) for name, key in keys.items()}
+
+    def _path(self, key: str) -> Path:
+        return self.root / key[:2] / f"{key}.o"
+
+    def _compile(self, compiler: Compiler, key: str, name: str, source: str) -> None:
+        obj = self._path(key)
+        c_file = obj.with_suffix(".c")
+        write_atomic(c_file, source.encode())
+        with _temporary(obj) as tmp:
+            run_tool([compiler.command, *compiler.flags, "-c", str(c_file), "-o", str(tmp)],
+                     f"compiling {name}")
+            os.replace(tmp, obj)
+
+
+def link_shared(compiler: Compiler, objects: Sequence[Path], out: Path) -> None:
+    run_tool([compiler.command, "-shared", "-fopenmp", "-Wl,-Bsymbolic", *map(str, objects), *LIBS,
+              "-o", str(out)],
+             "linking the model library")
+
+
+def link_executable(compiler: Compiler, objects: Sequence[Path], out: Path) -> None:
+    """A statically linked executable: it runs on any device of the target's architecture."""
+    run_tool([compiler.command, "-static", "-fopenmp", *map(str, objects), *LIBS, "-o", str(out)],
+             "linking the runner")
+
+
+def run_tool(argv: Sequence[str], what: str) -> None:
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, check=False)
+    except OSError as exc:
+        raise ToolchainError(f"{what}: cannot run {argv[0]}: {exc}") from exc
+    if done.returncode != 0:
+        lines = done.stderr.strip().splitlines()[:STDERR_LINES]
+        raise ToolchainError(f"{what} failed ({Path(argv[0]).name} exit status "
+                             f"{done.returncode}):\n" + "\n".join(lines))
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _temporary(path) as tmp:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+
+
+@contextmanager
+def _temporary(path: Path) -> Iterator[Path]:
+    """A fresh temporary path next to `path`, removed on exit unless it was renamed away."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        yield Path(name)
+    finally:
+        Path(name).unlink(missing_ok=True)
