@@ -10,6 +10,7 @@ from hypothesis import given, settings, strategies as st
 from kiln.ecg import Graph, Op, Tensor
 from kiln.mapping import MappingType as M
 from kiln.plan import FusionPlan, partitioner
+from kiln.plan.dnnfusion import Constraints, DNNFusion
 from kiln.profile import COST_MODEL, Estimate
 from tests.graphs import ecg
 
@@ -91,8 +92,8 @@ def test_every_partitioner_makes_acyclic_complete_plans(graph, seed):
 
 @settings(max_examples=100, deadline=None)
 @given(graph=random_dags(), seed=st.integers(0, 1000))
-def test_dnnfusion_never_fuses_red_pairs(graph, seed):
-    plan = partitioner("dnnfusion")(graph, RandomLatencies(seed))
+def test_without_relaxation_dnnfusion_never_fuses_red_pairs(graph, seed):
+    plan = DNNFusion(Constraints(relax_red=False))(graph, RandomLatencies(seed))
     for block in plan.blocks:
         ops = [graph.op_by_id[i] for i in block.op_ids]
         assert sum(op.mapping == M.MANY_TO_MANY for op in ops) <= 1
@@ -100,6 +101,34 @@ def test_dnnfusion_never_fuses_red_pairs(graph, seed):
             producer = graph.op_by_id[edge.producer]
             consumer = graph.op_by_id[edge.consumer]
             assert not (producer.mapping == M.ONE_TO_MANY and consumer.mapping == M.MANY_TO_MANY)
+
+
+@settings(max_examples=100, deadline=None)
+@given(graph=random_dags(), seed=st.integers(0, 1000))
+def test_red_pairs_fuse_only_through_a_named_relaxation(graph, seed):
+    plan = partitioner("dnnfusion")(graph, RandomLatencies(seed))
+    allowed = {"green", "yellow", "yellow: tiny intermediate", "yellow: row-local ops over the same rows"}
+    assert {d.reason for d in plan.decisions if d.fused} <= allowed
+
+
+def _relaxation_graph(rows: int):
+    """Softmax(MatMul(x, W)) over `rows` rows: both ops are row-local over the same rows."""
+    shapes = {"x": (rows, 64), "w": (64, 64), "h": (rows, 64), "y": (rows, 64)}
+    constants = {"w": np.ones((64, 64), np.float32)}
+    return ecg([("MatMul", ["x", "w"], ["h"]), ("Softmax", ["h"], ["y"])], shapes, ["x"], ["y"], constants)
+
+
+def test_row_local_many_to_many_ops_fuse_and_the_paper_mode_refuses():
+    graph = _relaxation_graph(rows=512)
+    store = RandomLatencies(0)
+    assert partitioner("dnnfusion")(graph, store).kernels == 1
+    assert DNNFusion(Constraints(relax_red=False))(graph, store).kernels == 2
+
+
+def test_row_tiles_must_keep_their_operands_in_cache():
+    graph = _relaxation_graph(rows=512)
+    small_cache = DNNFusion(Constraints(tile_operand_bytes=8 * 1024, tiny_bytes=0))
+    assert small_cache(graph, RandomLatencies(0)).kernels == 2
 
 
 def bias_gelu_graph():
@@ -119,7 +148,7 @@ def test_dnnfusion_grows_from_the_seed_as_listing_1_does():
     # GELU chain joins the second MatMul as its prologue (O2O + M2M is green, as Add + Conv in the
     # paper's Figure 3); the first MatMul is then refused (M2M + M2M is red) and stays alone.
     graph = bias_gelu_graph()
-    plan = partitioner("dnnfusion")(graph, RandomLatencies(0))
+    plan = DNNFusion(Constraints(relax_red=False))(graph, RandomLatencies(0))
     assert plan.kernels == 2
     first, second = plan.blocks
     assert first.op_ids == ("op0",)
@@ -130,6 +159,10 @@ def test_dnnfusion_grows_from_the_seed_as_listing_1_does():
     assert [op.ir_removable for op in plan.graph.ops] == [False] + [True] * 6 + [False]
     refused = [d for d in plan.decisions if d.second == "op0" and not d.fused]
     assert refused and refused[0].reason == "red: Many-to-Many + Many-to-Many"
+    # Both MatMuls are row-local over the same 8 rows with small weights: the relaxed mode fuses them.
+    relaxed = partitioner("dnnfusion")(graph, RandomLatencies(0))
+    assert relaxed.kernels == 1
+    assert [d.reason for d in relaxed.decisions if d.second == "op0"] == ["yellow: row-local ops over the same rows"]
 
 
 def test_baselines_on_the_feed_forward_graph():
@@ -147,7 +180,7 @@ def test_fusing_across_a_side_path_would_be_a_cycle():
     shapes = {n: (2, 3) for n in ("x", "a", "b", "c")}
     graph = ecg([("Softmax", ["x"], ["a"]), ("Softmax", ["a"], ["b"]), ("Add", ["a", "b"], ["c"])],
                 shapes, ["x"], ["c"])
-    plan = partitioner("dnnfusion")(graph, RandomLatencies(1))
+    plan = DNNFusion(Constraints(relax_red=False))(graph, RandomLatencies(1))
     assert block_dag_is_acyclic(plan)
     assert [b.op_ids for b in plan.blocks] == [("op0",), ("op1", "op2")]
     assert [d.reason for d in plan.decisions if d.second == "op0"][0] == "illegal: would create a cycle"
