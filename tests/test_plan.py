@@ -213,3 +213,12 @@ def test_yellow_cases_follow_the_store():
     slower = partitioner("dnnfusion")(graph, Store(2.5))
     assert slower.kernels == 2 and slower.yellow_lookups == 1
     assert any(d.reason == "yellow: slower fused" for d in slower.decisions)
+
+
+def test_a_block_of_reorganize_ops_is_a_view_not_a_kernel():
+    shapes = {"x": (2, 3, 4), "shape": (2,), "r": (6, 4), "y": (6, 4)}
+    constants = {"shape": np.array([6, 4], np.int64)}
+    graph = ecg([("Reshape", ["x", "shape"], ["r"]), ("Softmax", ["r"], ["y"])], shapes, ["x"], ["y"], constants)
+    plan = partitioner("none")(graph, RandomLatencies(0))
+    assert [b.is_view for b in plan.blocks] == [True, False]
+    assert len(plan.blocks) == 2 and plan.kernels == 1

@@ -33,6 +33,7 @@ class Block:
     inputs: tuple[str, ...]  # tensors read from outside the block (activations and constants)
     outputs: tuple[str, ...]  # tensors used after the block or returned by the model
     edges: tuple[Edge, ...]  # tensors that stay inside the block: no buffer, an index map
+    is_view: bool = False  # only Reorganize ops on one tensor: its outputs alias the input's bytes
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,8 @@ class FusionPlan:
 
     @property
     def kernels(self) -> int:
-        return len(self.blocks)
+        """Blocks that run code; view blocks only alias a buffer."""
+        return sum(1 for b in self.blocks if not b.is_view)
 
     @property
     def irs_bytes(self) -> int:

@@ -39,12 +39,14 @@ def make_block(graph: Graph, op_ids: Iterable[str], index: int) -> Block:
     edges = tuple(
         Edge(t, op.id, consumer.id, consumer.mapping)
         for op in ops for t in op.outputs for consumer in graph.consumers(t) if consumer.id in members)
+    activations = [t for t in inputs if not graph.is_constant(t)]
+    is_view = len(activations) == 1 and all(op.mapping == MappingType.REORGANIZE for op in ops)
     anchors = [op for op in ops if op.mapping == MappingType.MANY_TO_MANY]
     anchor = next((op for op in anchors if op.compute_intensive), anchors[0] if anchors else None)
     return Block(
         id=f"b{index}", name=kernel_name(ops), op_ids=tuple(op.id for op in ops),
         mapping=fused_mapping(ops), anchor=anchor.id if anchor else None,
-        inputs=tuple(inputs), outputs=tuple(outputs), edges=edges)
+        inputs=tuple(inputs), outputs=tuple(outputs), edges=edges, is_view=is_view)
 
 
 def order_groups(graph: Graph, groups: Sequence[Iterable[str]]) -> list[list[str]]:
