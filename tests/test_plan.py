@@ -209,9 +209,9 @@ def test_yellow_cases_follow_the_store():
         def latency(self, graph, op_ids):
             return Estimate(self.fused_cost if len(op_ids) == 2 else 1.0, COST_MODEL)
 
-    assert partitioner("dnnfusion")(graph, Store(1.5)).kernels == 1
+    assert len(partitioner("dnnfusion")(graph, Store(1.5)).blocks) == 1
     slower = partitioner("dnnfusion")(graph, Store(2.5))
-    assert slower.kernels == 2 and slower.yellow_lookups == 1
+    assert len(slower.blocks) == 2 and slower.yellow_lookups == 1
     assert any(d.reason == "yellow: slower fused" for d in slower.decisions)
 
 
