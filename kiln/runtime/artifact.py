@@ -77,7 +77,7 @@ def build_artifact(plan: FusionPlan, kernels: Sequence[Kernel], target: Target,
     sources = _sources(plan, kernels, memory, units)
     members = {f"src/{name}": text.encode() for name, text in sources.items()}
     with tempfile.TemporaryDirectory(prefix="kiln-build-") as tmp:
-        members |= _binaries(sources, target, cache or BuildCache(), Path(tmp))
+        members |= _binaries(sources, units, target, cache or BuildCache(), Path(tmp))
     members[WEIGHTS] = weights_blob(plan, kernels, memory)
     members[PLAN] = _json(plan_json(plan, kernels, memory, units))
     full_report = report | memory_report(memory, kernels, units)
@@ -108,15 +108,18 @@ def _sources(plan: FusionPlan, kernels: Sequence[Kernel], memory: MemoryPlan,
     return sources
 
 
-def _binaries(sources: dict[str, str], target: Target, cache: BuildCache,
-              folder: Path) -> dict[str, bytes]:
+def _binaries(sources: dict[str, str], units: dict[str, driver.KernelUnit], target: Target,
+              cache: BuildCache, folder: Path) -> dict[str, bytes]:
+    """The shared library and the runner; objects are named in compiler errors by `labels`."""
+    labels = {"model.c": "the model driver", "runner.c": "the runner"}
+    for symbol, unit in units.items():
+        labels.setdefault(f"{unit.function}.c", f"kernel {symbol}")
     compiler = compiler_for(target)
-    compilable = {name: driver.with_header(text) for name, text in sources.items()
-                  if name.endswith(".c")}
-    objects = cache.objects(compiler, compilable)
-    model_objects = [path for name, path in sorted(objects.items()) if name != "runner.c"]
-    link_shared(compiler, model_objects, folder / "model.so")
-    link_executable(compiler, [*model_objects, objects["runner.c"]], folder / "runner")
+    objects = cache.objects(compiler, {labels[name]: driver.with_header(text)
+                                       for name, text in sources.items() if name in labels})
+    runner = objects.pop("the runner")
+    link_shared(compiler, list(objects.values()), folder / "model.so")
+    link_executable(compiler, [*objects.values(), runner], folder / "runner")
     return {LIBRARY: (folder / "model.so").read_bytes(), RUNNER: (folder / "runner").read_bytes()}
 
 

@@ -1,9 +1,10 @@
 """The model driver: generated C that runs a model's kernels in plan order (see kiln_model.h).
 
-Kernels with the same body share one C function: each kernel's source is renamed from its
-`Kernel.symbol` to `kiln_k_<hash of the renamed body>`, so a block that appears many times in a
-model (a transformer layer) is compiled once. The driver is table-driven: one step per kernel
-(function, first argument, argument count) and one reference per argument (region, offset).
+Kernels with the same body share one C function: in each kernel's source, its `Kernel.symbol`
+(and every identifier that starts with it: its helpers) is renamed to `kiln_k_<hash of the
+renamed body>`, so a block that appears many times in a model (a transformer layer) is compiled
+once. The driver is table-driven: one step per kernel (function, first argument, argument
+count) and one reference per argument (region, offset).
 Pointers into the arena, weights and scratch are resolved once at create time; a run only
 patches the input and output pointers, calls the steps, and copies the outputs no kernel writes.
 """
@@ -52,7 +53,7 @@ def kernel_units(kernels: Sequence[Kernel]) -> dict[str, KernelUnit]:
             raise KilnError(f"kernel symbol {k.symbol!r} is not a C identifier")
         if k.symbol in units:
             raise KilnError(f"two kernels are named {k.symbol}")
-        pattern = re.compile(rf"\b{re.escape(k.symbol)}\b")
+        pattern = re.compile(rf"\b{re.escape(k.symbol)}")  # also helpers named after it
         body = pattern.sub("kiln_k_", k.source)
         function = "kiln_k_" + hashlib.sha256(body.encode()).hexdigest()[:16]
         units[k.symbol] = KernelUnit(function, pattern.sub(function, k.source))

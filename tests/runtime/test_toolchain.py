@@ -1,0 +1,71 @@
+"""The toolchain: objects cached by content hash, clear errors from the compiler."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from kiln.codegen import Kernel
+from kiln.runtime.artifact import build_artifact
+from kiln.runtime.toolchain import BuildCache, ToolchainError, compiler_for
+from kiln.target import Target, target
+from tests.runtime.handmade import chain, mlp
+
+
+def test_a_second_build_compiles_nothing(tmp_path):
+    model = mlp()
+    cache = BuildCache(tmp_path / "cache")
+    build_artifact(model.plan, model.kernels, target("host"), {}, tmp_path / "a.kiln", cache)
+    assert (cache.compiled, cache.reused) == (5, 0)  # 3 kernels, the driver, the runner
+    objects = sorted((tmp_path / "cache").rglob("*.o"))
+    build_artifact(model.plan, model.kernels, target("host"), {}, tmp_path / "b.kiln", cache)
+    assert (cache.compiled, cache.reused) == (5, 5)
+    assert sorted((tmp_path / "cache").rglob("*.o")) == objects
+    assert not list((tmp_path / "cache").rglob("*.tmp"))
+
+
+def test_kernels_with_equal_bodies_are_compiled_once(tmp_path):
+    model = chain(6)
+    cache = BuildCache(tmp_path / "cache")
+    report = build_artifact(model.plan, model.kernels, target("host"), {}, tmp_path / "c.kiln",
+                            cache)
+    assert report["compiled_kernels"] == 6
+    assert report["distinct_kernels"] == 1
+    assert cache.compiled == 3  # one kernel body, the driver, the runner
+
+
+def test_the_cache_key_covers_source_flags_and_compiler():
+    compiler = compiler_for(target("host"))
+    assert compiler.key("int a;") == compiler.key("int a;")
+    assert compiler.key("int a;") != compiler.key("int b;")
+    assert replace(compiler, flags=("-O2",)).key("int a;") != compiler.key("int a;")
+    assert replace(compiler, version="gcc 1.0").key("int a;") != compiler.key("int a;")
+
+
+def test_a_compile_error_names_the_kernel_and_quotes_the_compiler(tmp_path):
+    model = chain(2)
+    broken = Kernel("k1_relu", "b1", "void k1_relu(void *const *args) { return 1 +; }",
+                    model.kernels[1].args, model.kernels[1].outputs)
+    out = tmp_path / "out" / "broken.kiln"
+    with pytest.raises(ToolchainError) as caught:
+        build_artifact(model.plan, [model.kernels[0], broken], target("host"), {}, out,
+                       BuildCache(tmp_path / "cache"))
+    message = str(caught.value)
+    assert "compiling kernel k1_relu failed" in message
+    assert "error:" in message
+    assert not out.exists()
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
+def test_a_missing_cross_compiler_says_what_to_install():
+    fake = Target("aarch64", "aarch64", ("neon",), "kiln-test-no-such-gcc", ())
+    with pytest.raises(ToolchainError, match="apt-get install gcc-aarch64-linux-gnu"):
+        compiler_for(fake)
+
+
+def test_a_compiler_for_another_architecture_is_refused():
+    wrong = Target("aarch64", "aarch64", ("neon",), target("x86_64").cc, ())
+    if compiler_for(target("x86_64")).arch != "x86_64":
+        pytest.skip("the host compiler does not build for x86_64")
+    with pytest.raises(ToolchainError, match="not for aarch64"):
+        compiler_for(wrong)
