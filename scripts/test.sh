@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Installs what the test suite needs on a fresh Debian machine (Python packages, the aarch64 cross
+# compiler and qemu-user), then runs it. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+missing=()
+command -v aarch64-linux-gnu-gcc >/dev/null || missing+=(gcc-aarch64-linux-gnu libc6-dev-arm64-cross)
+command -v qemu-aarch64 >/dev/null || missing+=(qemu-user)
+if [ ${#missing[@]} -gt 0 ]; then
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+python3 -m pip install -q --disable-pip-version-check -e ".[test,zoo]"
+exec python3 -m pytest -p no:cacheprovider "$@"
