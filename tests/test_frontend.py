@@ -170,3 +170,13 @@ def test_checker_failure_is_reported(tmp_path):
     path = save_model(tmp_path / "bad_attr.onnx", nodes, [float_input("x", (2,))], [float_input("y", (2,))])
     with pytest.raises(ModelError, match="checker"):
         frontend.load(path)
+
+
+def test_initializer_with_too_little_data_is_refused(tmp_path):
+    weight = helper.make_tensor("w", TensorProto.FLOAT, [4], vals=[0.0] * 4)
+    weight.raw_data = np.zeros(3, np.float32).tobytes()
+    del weight.float_data[:]
+    path = save_model(tmp_path / "short.onnx", [helper.make_node("Add", ["x", "w"], ["y"])],
+                      [float_input("x", (4,))], [float_input("y", (4,))], [weight])
+    with pytest.raises(ModelError, match="'w'"):
+        frontend.load(path)
