@@ -9,9 +9,10 @@ from pathlib import Path
 
 from kiln import frontend
 from kiln.errors import KilnError
-from kiln.pipeline import CompileOptions, compile_model
+from kiln.pipeline import CompileOptions, compile_artifact, compile_model
 from kiln.plan import partitioner_names
 from kiln.report import format_report
+from kiln.target import TARGET_NAMES
 
 # Modules defining `add_commands(subparsers)`; each registers its subcommands.
 COMMAND_MODULES: tuple[str, ...] = ("kiln.runtime.cli",)
@@ -21,11 +22,19 @@ def _compile(args: argparse.Namespace) -> int:
     from kiln.profile.local import default_store
 
     shapes = dict(frontend.parse_shape_arg(s) for s in args.shape)
-    options = CompileOptions(partitioner=args.partitioner, shapes=shapes)
-    result = compile_model(args.model, options, default_store(args.profile_db))
+    options = CompileOptions(partitioner=args.partitioner, shapes=shapes, target=args.target)
+    store = default_store(args.profile_db)
+    if args.output:
+        report = compile_artifact(args.model, args.output, options, store)
+    else:
+        report = compile_model(args.model, options, store).report
     if args.report_json:
-        Path(args.report_json).write_text(json.dumps(result.report, indent=2))
-    print(format_report(result.report))
+        Path(args.report_json).write_text(json.dumps(report, indent=2))
+    print(format_report(report))
+    if args.output:
+        peak = report["peak_memory_bytes"]
+        print(f"wrote {args.output}: {report['compiled_kernels']} kernels, peak memory "
+              f"{peak} bytes ({peak / (1 << 20):.1f} MiB)")
     return 0
 
 
@@ -35,6 +44,10 @@ def add_compile_command(commands) -> argparse.ArgumentParser:
     cmd.add_argument("--partitioner", default="dnnfusion", choices=partitioner_names())
     cmd.add_argument("--shape", action="append", default=[], metavar="NAME=D0,D1,…",
                      help="value of an input's symbolic dimensions (repeatable)")
+    cmd.add_argument("-o", "--output", metavar="MODEL.kiln",
+                     help="build the artifact here (without it, stop after planning)")
+    cmd.add_argument("--target", default="host", choices=TARGET_NAMES,
+                     help="machine the artifact runs on (default: this one)")
     cmd.add_argument("--report-json", metavar="FILE", help="write the fusion report here")
     cmd.add_argument("--profile-db", metavar="FILE",
                      help="profile database (default $KILN_PROFILE_DB or ~/.cache/kiln)")

@@ -1,4 +1,4 @@
-"""The compiler as a list of named stages: frontend → plan (→ rewrite, codegen, build later)."""
+"""The compiler as a list of named stages: frontend → plan (→ rewrite later) → codegen → build."""
 from __future__ import annotations
 
 import time
@@ -6,11 +6,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from kiln import frontend
+from kiln import codegen, frontend
 from kiln.ecg import Graph
 from kiln.plan import FusionPlan, partitioner
 from kiln.profile import ProfileStore
 from kiln.report import fusion_report
+from kiln.runtime.artifact import build_artifact
+from kiln.target import target
 
 StageCallback = Callable[[str], None]
 
@@ -19,6 +21,7 @@ StageCallback = Callable[[str], None]
 class CompileOptions:
     partitioner: str = "dnnfusion"
     shapes: Mapping[str, Sequence[int]] = field(default_factory=dict)
+    target: str = "host"  # see kiln.target.TARGET_NAMES
 
 
 @dataclass
@@ -51,6 +54,22 @@ def compile_model(path: str | Path, options: CompileOptions, store: ProfileStore
     graph = clock.run("frontend", _frontend, model, options, Path(path).stem)
     plan = clock.run("plan", choose, graph, store)
     return Compilation(graph, plan, fusion_report(graph, plan, clock.seconds, onnx_nodes))
+
+
+def compile_artifact(model_path: str | Path, out_path: str | Path, options: CompileOptions,
+                     store: ProfileStore, on_stage: StageCallback | None = None) -> dict[str, Any]:
+    """Compile a model into an artifact at `out_path`; return the report (see kiln.runtime.artifact)."""
+    build_target = target(options.target)  # an unknown target fails before any work
+    result = compile_model(model_path, options, store, on_stage)
+    clock = _Stopwatch(on_stage)
+    kernels = clock.run("codegen", codegen.generate, result.plan, build_target)
+    report = result.report | {"seconds": result.report["seconds"] | _rounded(clock.seconds)}
+    report = clock.run("build", build_artifact, result.plan, kernels, build_target, report, out_path)
+    return report | {"seconds": report["seconds"] | _rounded(clock.seconds)}
+
+
+def _rounded(seconds: dict[str, float]) -> dict[str, float]:
+    return {stage: round(s, 4) for stage, s in seconds.items()}
 
 
 def _frontend(model, options: CompileOptions, name: str) -> Graph:
