@@ -1,0 +1,124 @@
+"""Latency of Kiln artifacts against onnxruntime on the full-size zoo models, side by side.
+
+For each model: the artifact compiled with dnnfusion, the artifact compiled with partitioner
+none, and onnxruntime (ORT_ENABLE_ALL), all with the same number of threads (default 2), run
+interleaved — one call of each per round — so machine noise hits all three alike. Artifacts run
+in-process through the loader. Prints median milliseconds and the ratios artifact/ort and
+none/dnnfusion, and each artifact's max |diff| against onnxruntime.
+
+    python bench/latency.py [--models bert-base,resnet50] [--rounds 20] [--threads 2]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.zoo import MODELS, ensure_model, make_inputs
+from kiln.errors import KilnError
+from kiln.pipeline import CompileOptions, compile_artifact
+from kiln.profile.local import default_store
+from kiln.runtime.artifact import open_artifact
+from kiln.runtime.loader import CompiledModel
+
+PARTITIONERS = ("dnnfusion", "none")
+
+
+def ort_session(path: Path, threads: int) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.log_severity_level = 3
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def contenders(name: str, threads: int, work: Path) -> tuple[dict[str, Callable], dict[str, str]]:
+    """Callables running one inference each (by contender name), and compile failures."""
+    path = ensure_model(name)
+    inputs = make_inputs(name)
+    session = ort_session(path, threads)
+    calls: dict[str, Callable] = {"ort": lambda: session.run(None, inputs)}
+    failures = {}
+    for partitioner in PARTITIONERS:
+        out = work / f"{name}-{partitioner}.kiln"
+        try:
+            start = time.perf_counter()
+            compile_artifact(path, out, CompileOptions(partitioner), default_store())
+            print(f"  compiled {name} with {partitioner} in {time.perf_counter() - start:.1f} s",
+                  file=sys.stderr)
+            model = CompiledModel(open_artifact(out, work / "extracted"), threads)
+        except KilnError as exc:
+            failures[partitioner] = str(exc).splitlines()[0]
+            continue
+        calls[partitioner] = lambda model=model: model.run(**inputs)
+    return calls, failures
+
+
+def max_diff(calls: dict[str, Callable]) -> dict[str, float]:
+    reference = calls["ort"]()
+    return {name: max(float(np.max(np.abs(a - b), initial=0.0)) for a, b in zip(call(), reference))
+            for name, call in calls.items() if name != "ort"}
+
+
+def interleaved_medians(calls: dict[str, Callable], rounds: int, warmup: int) -> dict[str, float]:
+    for _ in range(warmup):
+        for call in calls.values():
+            call()
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}" if a and b else "-"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    header = (f"{'model':16s} {'dnnfusion ms':>12s} {'none ms':>10s} {'ort ms':>10s} "
+              f"{'dnnf/ort':>9s} {'none/ort':>9s} {'none/dnnf':>9s} {'max|diff| dnnf':>14s}")
+    rows, notes = [], []
+    with tempfile.TemporaryDirectory(prefix="kiln-latency-") as tmp:
+        for name in args.models.split(","):
+            calls, failures = contenders(name, args.threads, Path(tmp))
+            notes += [f"{name} [{p}]: {reason}" for p, reason in failures.items()]
+            diffs = max_diff(calls)
+            ms = interleaved_medians(calls, args.rounds, args.warmup)
+            dnnf, none, ort_ms = ms.get("dnnfusion"), ms.get("none"), ms["ort"]
+            rows.append(f"{name:16s} {_ms(dnnf):>12s} {_ms(none):>10s} {_ms(ort_ms):>10s} "
+                        f"{ratio(dnnf, ort_ms):>9s} {ratio(none, ort_ms):>9s} "
+                        f"{ratio(none, dnnf):>9s} {diffs.get('dnnfusion', float('nan')):14.3g}")
+            print(rows[-1], file=sys.stderr)
+    print(f"median latency, {args.threads} threads, {args.rounds} interleaved rounds")
+    print(header)
+    print("\n".join(rows))
+    for note in notes:
+        print(f"not compiled: {note}")
+    return 0
+
+
+def _ms(value: float | None) -> str:
+    return f"{value:.2f}" if value is not None else "-"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
