@@ -1,0 +1,135 @@
+"""An ssh host as a device (asyncssh): commands over exec channels, files over SFTP.
+
+Host keys are checked explicitly: `known_hosts` names an OpenSSH known_hosts file that must hold
+the host's key; skipping the check takes `accept_unknown_host_key=True` in so many words. The
+connection sends keepalives, so a host that vanishes is noticed within
+`keepalive_interval * keepalive_count_max` seconds even while a command runs.
+"""
+from __future__ import annotations
+
+import asyncio
+import posixpath
+import secrets
+from pathlib import Path
+
+import asyncssh
+
+from device_agents.backends import (
+    CommandTimeout,
+    DeviceBackend,
+    DeviceError,
+    DeviceLostError,
+    command_line,
+)
+
+LOST = (asyncssh.ConnectionLost, asyncssh.DisconnectError, asyncssh.ChannelOpenError,
+        ConnectionError, OSError, EOFError)
+
+
+class SshBackend(DeviceBackend):
+    transport = "ssh"
+
+    def __init__(self, host: str, user: str, key: str | Path, *, port: int = 22,
+                 known_hosts: str | Path | None = None, accept_unknown_host_key: bool = False,
+                 work_dir: str = "kiln-agent", name: str | None = None,
+                 connect_timeout: float = 15.0, keepalive_interval: float = 5.0,
+                 keepalive_count_max: int = 3):
+        if known_hosts is None and not accept_unknown_host_key:
+            raise ValueError(f"ssh {host}: give known_hosts (a file holding the host's key), or "
+                             f"set accept_unknown_host_key to skip the host key check")
+        self.host, self.port, self.user = host, port, user
+        self.key = Path(key).expanduser()
+        self.known_hosts = str(Path(known_hosts).expanduser()) if known_hosts else None
+        self.name = name or f"ssh:{user}@{host}:{port}"
+        self.work_dir = work_dir
+        self.connect_timeout = connect_timeout
+        self.keepalive = (keepalive_interval, keepalive_count_max)
+        self._conn: asyncssh.SSHClientConnection | None = None
+
+    async def connect(self) -> None:
+        if self._conn is not None:
+            return
+        try:
+            self._conn = await asyncssh.connect(
+                self.host, port=self.port, username=self.user, client_keys=[str(self.key)],
+                known_hosts=self.known_hosts, agent_path=None, config=None,
+                connect_timeout=self.connect_timeout, keepalive_interval=self.keepalive[0],
+                keepalive_count_max=self.keepalive[1])
+        except asyncssh.HostKeyNotVerifiable as exc:
+            raise DeviceError(f"{self.name}: the host key is not in {self.known_hosts}: "
+                              f"{exc}") from exc
+        except asyncssh.PermissionDenied as exc:
+            raise DeviceError(f"{self.name}: authentication as {self.user!r} with {self.key} "
+                              f"was refused") from exc
+        except (*LOST, asyncio.TimeoutError) as exc:
+            raise DeviceLostError(f"{self.name}: cannot connect: {exc}") from exc
+
+    async def _connection(self) -> asyncssh.SSHClientConnection:
+        await self.connect()
+        assert self._conn is not None
+        return self._conn
+
+    async def run(self, argv: list[str], timeout: float) -> tuple[int, str, str]:
+        line = command_line(argv)
+        conn = await self._connection()
+        try:
+            done = await conn.run(line, check=False, timeout=timeout, encoding=None)
+        except asyncssh.TimeoutError:
+            raise CommandTimeout(f"{self.name}: {argv[0]} ran past its {timeout:g} s timeout "
+                                 f"and was stopped") from None
+        except LOST as exc:
+            await self._drop()
+            raise DeviceLostError(f"{self.name}: connection lost while running {argv[0]}: "
+                                  f"{exc or type(exc).__name__}") from exc
+        if done.exit_status is None:  # the channel closed without an exit status
+            await self._drop()
+            if not await self.alive():
+                raise DeviceLostError(f"{self.name}: connection lost while running {argv[0]}")
+            signal = done.exit_signal[0] if done.exit_signal else "unknown"
+            return 128, _text(done.stdout), _text(done.stderr) + f"\nkilled by signal {signal}"
+        return done.exit_status, _text(done.stdout), _text(done.stderr)
+
+    async def push(self, local_path: str, remote_path: str, mode: int = 0o644) -> None:
+        conn = await self._connection()
+        folder = posixpath.dirname(remote_path) or "."
+        tmp = posixpath.join(folder, f".{posixpath.basename(remote_path)}.{secrets.token_hex(6)}.part")
+        try:
+            async with conn.start_sftp_client() as sftp:
+                await sftp.makedirs(folder, exist_ok=True)
+                try:
+                    await sftp.put(str(local_path), tmp)
+                    await sftp.chmod(tmp, mode)
+                    await sftp.posix_rename(tmp, remote_path)
+                except BaseException:
+                    try:
+                        await sftp.remove(tmp)
+                    except (asyncssh.SFTPError, *LOST):
+                        pass
+                    raise
+        except asyncssh.SFTPError as exc:
+            raise DeviceError(f"{self.name}: cannot push {local_path} to {remote_path}: "
+                              f"{exc.reason}") from exc
+        except LOST as exc:
+            await self._drop()
+            raise DeviceLostError(f"{self.name}: connection lost while pushing "
+                                  f"{remote_path}: {exc}") from exc
+
+    async def _drop(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.abort()
+
+    async def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+            try:
+                await asyncio.wait_for(conn.wait_closed(), 5)
+            except (asyncio.TimeoutError, *LOST):
+                pass
+
+
+def _text(data: bytes | str | None) -> str:
+    if data is None:
+        return ""
+    return data.decode(errors="replace") if isinstance(data, bytes) else data
