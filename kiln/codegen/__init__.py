@@ -29,3 +29,6 @@ class Kernel:
     derived_constants: dict[str, np.ndarray] = field(default_factory=dict)  # e.g. packed weights
     schedule: dict[str, Any] = field(default_factory=dict)  # parameters the source was made with
     scratch_bytes: int = 0
+
+
+from kiln.codegen.generate import check_supported, generate, supported_ops  # noqa: E402

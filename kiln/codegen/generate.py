@@ -1,0 +1,70 @@
+"""`generate`: a FusionPlan → one C kernel per block; `supported_ops` and `check_supported`."""
+from __future__ import annotations
+
+import re
+from typing import Any, Mapping
+
+from kiln.codegen import Kernel
+from kiln.codegen.emit_c import CEmitter
+from kiln.codegen.expr import DTYPES
+from kiln.codegen.lower import BlockLowering
+from kiln.codegen.ops import registered
+from kiln.codegen.schedule import DEFAULT_SCHEDULE, Schedule
+from kiln.ecg import Graph
+from kiln.errors import UnsupportedOpsError
+from kiln.plan import Block, FusionPlan
+from kiln.target import Target
+
+
+def supported_ops() -> frozenset[str]:
+    """Op types the code generator lowers (with every attribute their ONNX definition has)."""
+    return frozenset(registered())
+
+
+def check_supported(graph: Graph) -> None:
+    """Raise UnsupportedOpsError listing every op the code generator cannot lower, by op type
+    with the ops' source names: unknown op types, unsupported element types, unsupported
+    attribute values."""
+    found: dict[str, list[str]] = {}
+    lowerings = registered()
+    for op in graph.ops:
+        lw = lowerings.get(op.op_type)
+        reason = None
+        if lw is None:
+            reason = "no lowering"
+        else:
+            dtypes = {graph.tensors[t].dtype for t in (*op.present_inputs(), *op.outputs)}
+            if not dtypes <= DTYPES:
+                reason = f"element type {', '.join(sorted(dtypes - DTYPES))}"
+            elif lw.check is not None:
+                reason = lw.check(op, graph)
+        if reason is not None:
+            found.setdefault(op.op_type, []).append(op.source_name or op.id)
+    if found:
+        raise UnsupportedOpsError(found)
+
+
+def generate(plan: FusionPlan, target: Target, schedule: Schedule = DEFAULT_SCHEDULE,
+             block_schedules: Mapping[str, Mapping[str, Any]] | None = None) -> list[Kernel]:
+    """One Kernel per block of the plan, in plan order (the kernel ABI of `kiln.codegen`)."""
+    check_supported(plan.graph)
+    block_schedules = block_schedules or {}
+    return [_kernel(plan.graph, block, i, target, schedule.merged(block_schedules.get(block.id)))
+            for i, block in enumerate(plan.blocks)]
+
+
+def kernel_symbol(block: Block, index: int) -> str:
+    return f"k{index}_{re.sub(r'[^0-9A-Za-z_]', '_', block.name)}"
+
+
+def _kernel(graph: Graph, block: Block, index: int, target: Target, schedule: Schedule) -> Kernel:
+    symbol = kernel_symbol(block, index)
+    lowered = BlockLowering(graph, block, symbol, schedule).lower()
+    source = CEmitter().kernel(lowered.kernel, f"Kiln kernel {symbol} (block {block.id}, "
+                                               f"target {target.name})")
+    record = {"target": target.name, "arch": target.arch, **schedule.as_dict(),
+              "stages": lowered.stage_info}
+    return Kernel(symbol=symbol, block_id=block.id, source=source,
+                  args=tuple(lowered.inputs + lowered.outputs), outputs=tuple(lowered.outputs),
+                  derived_constants=lowered.derived, schedule=record,
+                  scratch_bytes=lowered.kernel.scratch_bytes)

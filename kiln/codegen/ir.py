@@ -1,0 +1,176 @@
+"""The loop-nest IR: statements over `Expr` scalars.
+
+A kernel is a list of stages run one after another; a stage is a loop nest. Statements are mutable
+dataclasses so that passes (loop splitting, parallel-loop choice) can rewrite them in place; the
+expressions inside them are immutable interned DAGs (see `kiln.codegen.expr`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, Union
+
+from kiln.codegen.expr import Expr
+
+
+@dataclass(eq=False)
+class Loop:
+    """for var in [start, stop): body. `parallel` > 0 marks an OpenMP parallel loop collapsing
+    that many perfectly nested loops; `simd` marks a vectorisable inner loop and `reductions`
+    its (operator, accumulator) reduction clauses."""
+
+    var: Expr
+    start: Expr
+    stop: Expr
+    body: list["Stmt"]
+    parallel: int = 0
+    simd: bool = False
+    reductions: tuple[tuple[str, Expr], ...] = ()
+
+    @property
+    def static_extent(self) -> int | None:
+        if self.start.is_const and self.stop.is_const:
+            return max(0, self.stop.value - self.start.value)
+        return None
+
+
+@dataclass(eq=False)
+class Let:
+    """An immutable named scalar: `const T local = value;`."""
+
+    local: Expr
+    value: Expr
+
+
+@dataclass(eq=False)
+class DeclAcc:
+    """A mutable scalar: `T acc = init;`."""
+
+    acc: Expr
+    init: Expr
+
+
+@dataclass(eq=False)
+class Assign:
+    """`acc = value;` for a mutable scalar."""
+
+    acc: Expr
+    value: Expr
+
+
+@dataclass(eq=False)
+class DeclArray:
+    """A local (stack) array `T name[size];`."""
+
+    name: str
+    dtype: str
+    size: int
+
+
+@dataclass(eq=False)
+class ArrayStore:
+    name: str
+    index: Expr
+    value: Expr
+
+
+@dataclass(eq=False)
+class Store:
+    """`buffer[offset] = value;` into a kernel buffer."""
+
+    buffer: str
+    offset: Expr
+    value: Expr
+
+
+@dataclass(eq=False)
+class If:
+    cond: Expr
+    body: list["Stmt"]
+    orelse: list["Stmt"] = field(default_factory=list)
+
+
+Stmt = Union[Loop, Let, DeclAcc, Assign, DeclArray, ArrayStore, Store, If]
+
+
+@dataclass(eq=False)
+class Stage:
+    """One loop nest of a kernel, with a comment naming what it computes (Kiln's names only)."""
+
+    comment: str
+    body: list[Stmt]
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """A pointer the kernel uses: an argument (input/output) or a region of the scratch memory."""
+
+    name: str  # C identifier: a tensor id (t12) or a derived-constant name (k3_d0)
+    dtype: str
+    role: str  # "input", "output" or "scratch"
+    scratch_offset: int = 0
+
+
+@dataclass
+class KernelIR:
+    symbol: str
+    buffers: list[Buffer]
+    stages: list[Stage]
+    scratch_bytes: int = 0
+
+
+def children(stmt: Stmt) -> list[list[Stmt]]:
+    if isinstance(stmt, Loop):
+        return [stmt.body]
+    if isinstance(stmt, If):
+        return [stmt.body, stmt.orelse]
+    return []
+
+
+def iter_stmts(body: list[Stmt]) -> Iterator[Stmt]:
+    """Every statement in `body`, parents before children."""
+    for stmt in body:
+        yield stmt
+        for block in children(stmt):
+            yield from iter_stmts(block)
+
+
+def stmt_exprs(stmt: Stmt) -> list[Expr]:
+    """The expressions a statement itself uses (not those of nested statements)."""
+    if isinstance(stmt, Loop):
+        return [stmt.start, stmt.stop]
+    if isinstance(stmt, Let):
+        return [stmt.value]
+    if isinstance(stmt, (DeclAcc,)):
+        return [stmt.init]
+    if isinstance(stmt, Assign):
+        return [stmt.value]
+    if isinstance(stmt, ArrayStore):
+        return [stmt.index, stmt.value]
+    if isinstance(stmt, Store):
+        return [stmt.offset, stmt.value]
+    if isinstance(stmt, If):
+        return [stmt.cond]
+    return []
+
+
+def map_exprs(body: list[Stmt], fn) -> None:
+    """Replace every expression in `body` (nested statements included) by `fn(expr)`, in place."""
+    for stmt in iter_stmts(body):
+        if isinstance(stmt, Loop):
+            stmt.start, stmt.stop = fn(stmt.start), fn(stmt.stop)
+        elif isinstance(stmt, Let):
+            stmt.value = fn(stmt.value)
+        elif isinstance(stmt, DeclAcc):
+            stmt.init = fn(stmt.init)
+        elif isinstance(stmt, Assign):
+            stmt.value = fn(stmt.value)
+        elif isinstance(stmt, ArrayStore):
+            stmt.index, stmt.value = fn(stmt.index), fn(stmt.value)
+        elif isinstance(stmt, Store):
+            stmt.offset, stmt.value = fn(stmt.offset), fn(stmt.value)
+        elif isinstance(stmt, If):
+            stmt.cond = fn(stmt.cond)
+
+
+def all_exprs(body: list[Stmt]) -> list[Expr]:
+    return [e for stmt in iter_stmts(body) for e in stmt_exprs(stmt)]

@@ -1,0 +1,383 @@
+"""Convolutions and pooling (Many-to-Many over sliding windows), any number of spatial dims.
+
+Conv (direct): parallel over (image, block of `conv_tile_cout` output channels, output rows); for
+each tile of `conv_tile_w` output columns, stack accumulators acc[channels][columns]; loops over
+input channel, kernel rows and kernel columns narrow their ranges to the valid input region (no
+per-element padding test), and the vectorised inner loop runs over output columns:
+acc[c][x] += w · X[.., x·stride + kx·dilation − pad]. A constant-zero Pad in front of the conv is
+folded into its padding; any other non-trivial input prologue is packed into scratch once. A 1×1,
+stride-1, unpadded conv is a matrix product and uses the contraction lowering.
+
+ConvTranspose gathers: each output element sums the input elements whose stride grid hits it.
+Pools loop over their window's valid range per output element.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+from kiln.codegen import ir
+import numpy as np
+
+from kiln.codegen.expr import (
+    BOOL, FLOAT_TYPES, INDEX, Expr, acc, add, array_load, binary, cast, clamp, const, floordiv,
+    iconst, imax, imin, imul, index_compare, local, logical_and, make, modulo, mul, select, sub)
+from kiln.codegen.indexing import Index
+from kiln.codegen.lower import StageCtx
+from kiln.codegen.ops import stage
+from kiln.codegen.ops.contraction import Contraction, contraction
+from kiln.ecg import Graph, Op
+
+
+@dataclass(frozen=True)
+class Window:
+    """Sliding-window geometry per spatial dim: output o reads input o·stride + k·dilation − pad."""
+
+    in_size: tuple[int, ...]
+    out_size: tuple[int, ...]
+    kernel: tuple[int, ...]
+    strides: tuple[int, ...]
+    dilations: tuple[int, ...]
+    pad_begin: tuple[int, ...]
+    pad_end: tuple[int, ...]
+
+
+def window(op: Op, in_size: tuple[int, ...], out_size: tuple[int, ...],
+           kernel: tuple[int, ...]) -> Window:
+    k = len(in_size)
+    strides = tuple(op.attrs.get("strides") or [1] * k)
+    dilations = tuple(op.attrs.get("dilations") or [1] * k)
+    auto_pad = op.attrs.get("auto_pad", "NOTSET")
+    if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        total = [max(0, (o - 1) * s + (kk - 1) * d + 1 - i)
+                 for i, o, kk, s, d in zip(in_size, out_size, kernel, strides, dilations)]
+        small = [t // 2 for t in total]
+        large = [t - t // 2 for t in total]
+        begin, end = (small, large) if auto_pad == "SAME_UPPER" else (large, small)
+    elif auto_pad == "VALID":
+        begin, end = [0] * k, [0] * k
+    else:
+        pads = op.attrs.get("pads") or [0] * (2 * k)
+        begin, end = pads[:k], pads[k:]
+    return Window(in_size, out_size, kernel, strides, dilations, tuple(begin), tuple(end))
+
+
+def ceildiv(a: Expr, b: int) -> Expr:
+    return mul(floordiv(mul(a, -1), b), -1)
+
+
+def valid_taps(w: Window, d: int, o: Expr) -> tuple[Expr, Expr]:
+    """The kernel taps [lo, hi) of dim d whose input position lies inside the input."""
+    base = sub(mul(o, w.strides[d]), w.pad_begin[d])
+    lo = imax(ceildiv(mul(base, -1), w.dilations[d]), 0)
+    hi = imin(ceildiv(sub(iconst(w.in_size[d]), base), w.dilations[d]), w.kernel[d])
+    return lo, hi
+
+
+def tap_position(w: Window, d: int, o: Expr, tap: Expr) -> Expr:
+    return add(mul(o, w.strides[d]), mul(tap, w.dilations[d]), -w.pad_begin[d])
+
+
+def _float_input(op: Op, graph: Graph) -> str | None:
+    return None if graph.tensors[op.inputs[0]].dtype in FLOAT_TYPES else "floating-point input only"
+
+
+# --- Conv -------------------------------------------------------------------------------------------
+def _folded_pad(ctx: StageCtx) -> tuple[str, tuple[int, ...]]:
+    """(tensor the conv reads, extra spatial begin padding): a constant-zero Pad producing the
+    conv's input inside the block is folded into the conv's own padding."""
+    x = ctx.op.inputs[0]
+    pad = ctx.low.producer.get(x)
+    if pad is None or pad.op_type != "Pad" or x in ctx.low.ready:
+        return x, ()
+    graph = ctx.graph
+    rank = len(graph.tensors[x].shape)
+    pads_in = pad.inputs[1] if len(pad.inputs) > 1 else None
+    value_in = pad.inputs[2] if len(pad.inputs) > 2 else None
+    axes_in = pad.inputs[3] if len(pad.inputs) > 3 else None
+    if (pad.attrs.get("mode", "constant") != "constant" or pads_in is None or axes_in is not None
+            or not graph.is_constant(pads_in)):
+        return x, ()
+    if value_in is not None and (not graph.is_constant(value_in)
+                                 or graph.tensors[value_in].data.reshape(-1)[0] != 0):
+        return x, ()
+    pads = [int(v) for v in graph.tensors[pads_in].data.reshape(-1)]
+    begin, end = pads[:rank], pads[rank:]
+    if any(begin[:2]) or any(end[:2]) or any(v < 0 for v in pads):
+        return x, ()
+    return pad.inputs[0], tuple(begin[2:])
+
+
+@stage("Conv", check=_float_input)
+def _conv(ctx: StageCtx) -> None:
+    x_shape, w_shape, out = ctx.tensor(0).shape, ctx.tensor(1).shape, ctx.out()
+    if out.numel == 0:
+        return
+    geometry = window(ctx.op, x_shape[2:], out.shape[2:], tuple(w_shape[2:]))
+    group = ctx.attr("group", 1)
+    pointwise = (all(k == 1 for k in geometry.kernel) and all(s == 1 for s in geometry.strides)
+                 and not any(geometry.pad_begin) and not any(geometry.pad_end) and group == 1)
+    if pointwise:
+        _pointwise(ctx)
+        return
+    source, extra = _folded_pad(ctx)
+    if extra:
+        geometry = Window(ctx.graph.tensors[source].shape[2:], geometry.out_size, geometry.kernel,
+                          geometry.strides, geometry.dilations,
+                          tuple(a + b for a, b in zip(geometry.pad_begin, extra)), geometry.pad_end)
+    _direct_conv(ctx, geometry, ctx.reader(source), ctx.reader(ctx.op.inputs[1]), group)
+
+
+def _bias(ctx: StageCtx, total: Expr, m: Expr) -> Expr:
+    if not ctx.has(2):
+        return total
+    return binary("add", total, ctx.operand(2, Index(ctx.tensor(2).shape, dims=[m])))
+
+
+def _pointwise(ctx: StageCtx) -> None:
+    x_shape, w_shape, out = ctx.tensor(0).shape, ctx.tensor(1).shape, ctx.out()
+    n, c = x_shape[:2]
+    m, pixels = w_shape[0], math.prod(x_shape[2:])
+
+    def a_at(_: Index, i: Expr, k: Expr) -> Expr:
+        return ctx.operand(1, Index(w_shape, flat=add(mul(i, c), k)))
+
+    def b_at(b: Index, k: Expr, j: Expr) -> Expr:
+        return ctx.operand(0, Index(x_shape, flat=add(mul(add(mul(b.flat, c), k), pixels), j)))
+
+    def out_index(b: Expr, i: Expr, j: Expr) -> Index:
+        return Index(out.shape, flat=add(mul(add(mul(b, m), i), pixels), j))
+
+    contraction(ctx, Contraction((n,), m, pixels, c, (), (n,), a_at, b_at, out_index,
+                                 lambda total, b, i, j: _bias(ctx, total, i), out.dtype))
+
+
+def _divisor_at_most(n: int, limit: int) -> int:
+    return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
+
+
+def _direct_conv(ctx: StageCtx, w: Window, read_x: Callable[[Index], Expr],
+                 read_w: Callable[[Index], Expr], group: int) -> None:
+    s = ctx.schedule
+    x_shape, w_shape, out = ctx.graph.tensors[ctx.op.inputs[0]].shape, ctx.tensor(1).shape, ctx.out()
+    batch, channels = out.shape[0], x_shape[1]
+    m_total = out.shape[1]
+    cg, mg = channels // group, m_total // group
+    mb = _divisor_at_most(mg, s.conv_tile_cout)
+    outer_sizes, width = w.out_size[:-1], w.out_size[-1]
+    tw = min(width, s.conv_tile_w)
+    tiles = -(-width // tw)
+    rows = math.prod(outer_sizes)
+    blocks = m_total // mb
+    dtype = out.dtype
+    in_shape = (batch, channels, *w.in_size)
+
+    p = ctx.var("p", batch * blocks * rows)
+    n, block, row = Index((batch, blocks, rows), flat=p).dims
+    outer = Index(outer_sizes, flat=row).dims if outer_sizes else ()
+    m0 = mul(block, mb)
+    c0 = mul(floordiv(m0, mg), cg)
+    tile = ctx.name("acc")
+    wt = ctx.var("wt", tiles)
+    x0 = mul(wt, tw)
+    x_end = imin(add(x0, tw), iconst(width))
+
+    def slot(mm: Expr, col: Expr) -> Expr:
+        return add(mul(mm, tw), sub(col, x0))
+
+    def over_tile(body: Callable[[Expr, Expr], list[ir.Stmt]]) -> ir.Loop:
+        """Channels of the block and absolute output columns of the tile."""
+        mm, col = ctx.var("m", mb), ctx.var("x", width)
+        return ir.Loop(mm, iconst(0), iconst(mb),
+                       [ir.Loop(col, x0, x_end, body(mm, col), simd=True)])
+
+    zero = over_tile(lambda mm, col: [ir.ArrayStore(tile, slot(mm, col), const(0, dtype))])
+    ci = ctx.var("c", cg)
+    taps = [ctx.var("k", k) for k in w.kernel]
+    positions = [tap_position(w, d, outer[d], taps[d]) for d in range(len(outer))]
+    last = len(w.kernel) - 1
+    kw = taps[last]
+    lo_num = sub(iconst(w.pad_begin[last]), mul(kw, w.dilations[last]))
+    col_lo = imax(ceildiv(lo_num, w.strides[last]), x0)
+    col_hi = imin(ceildiv(add(lo_num, w.in_size[last]), w.strides[last]), x_end)
+    mm, col = ctx.var("m", mb), ctx.var("x", width)
+    x_col = tap_position(w, last, col, kw)
+    x_value = read_x(Index(in_shape, dims=[n, add(c0, ci), *positions, x_col]))
+    w_value = read_w(Index(w_shape, dims=[add(m0, mm), ci, *taps]))
+    current = array_load(tile, dtype, slot(mm, col))
+    update = ir.ArrayStore(tile, slot(mm, col), binary("add", current, binary("mul", w_value, x_value)))
+    body: list[ir.Stmt] = [ir.Loop(mm, iconst(0), iconst(mb),
+                                   [ir.Loop(col, col_lo, col_hi, [update], simd=True)])]
+    body = [ir.Loop(kw, iconst(0), iconst(w.kernel[last]), body)]
+    for d in reversed(range(len(outer))):
+        lo, hi = valid_taps(w, d, outer[d])
+        body = [ir.Loop(taps[d], lo, hi, body)]
+    reduction = ir.Loop(ci, iconst(0), iconst(cg), body)
+
+    def epilogue(mm: Expr, col: Expr) -> list[ir.Stmt]:
+        total = _bias(ctx, array_load(tile, dtype, slot(mm, col)), add(m0, mm))
+        index = Index(out.shape, dims=[n, add(m0, mm), *outer, col])
+        return ctx.results({0: (index, total)})
+
+    tile_loop = ir.Loop(wt, iconst(0), iconst(tiles), [zero, reduction, over_tile(epilogue)])
+    loop = ir.Loop(p, iconst(0), iconst(batch * blocks * rows),
+                   [ir.DeclArray(tile, dtype, mb * tw), tile_loop], parallel=1)
+    work = out.numel * cg * math.prod(w.kernel)
+    ctx.stage(f"conv ({ctx.op.id}), direct", [loop], work)
+    ctx.info.update(form="direct", tile_cout=mb, tile_w=tw)
+
+
+# --- ConvTranspose ------------------------------------------------------------------------------
+def _transpose_window(op: Op, graph: Graph) -> Window:
+    x_shape, w_shape = graph.tensors[op.inputs[0]].shape, graph.tensors[op.inputs[1]].shape
+    out_size = graph.tensors[op.outputs[0]].shape[2:]
+    in_size, kernel = x_shape[2:], tuple(w_shape[2:])
+    k = len(in_size)
+    strides = tuple(op.attrs.get("strides") or [1] * k)
+    dilations = tuple(op.attrs.get("dilations") or [1] * k)
+    output_padding = op.attrs.get("output_padding") or [0] * k
+    pads = op.attrs.get("pads")
+    auto_pad = op.attrs.get("auto_pad", "NOTSET")
+    if pads is None and auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        total = [s * (i - 1) + p + (kk - 1) * d + 1 - o for i, o, kk, s, d, p in
+                 zip(in_size, out_size, kernel, strides, dilations, output_padding)]
+        begin = [t // 2 if auto_pad == "SAME_UPPER" else t - t // 2 for t in total]
+    else:
+        begin = (pads or [0] * (2 * k))[:k]
+    return Window(in_size, out_size, kernel, strides, dilations, tuple(begin), (0,) * k)
+
+
+@stage("ConvTranspose", check=_float_input)
+def _conv_transpose(ctx: StageCtx) -> None:
+    out = ctx.out()
+    if out.numel == 0:
+        return
+    w = _transpose_window(ctx.op, ctx.graph)
+    x_shape, w_shape = ctx.tensor(0).shape, ctx.tensor(1).shape
+    group = ctx.attr("group", 1)
+    channels, mg = x_shape[1], w_shape[1]
+    cg = channels // group
+    read_x, read_w = ctx.reader(ctx.op.inputs[0]), ctx.reader(ctx.op.inputs[1])
+    dtype = out.dtype
+    p = ctx.var("p", out.numel)
+    n, m, *o = Index(out.shape, flat=p).dims
+    total = acc(ctx.name("sum"), dtype)
+    ci = ctx.var("c", cg)
+    taps = [ctx.var("k", k) for k in w.kernel]
+    c = add(mul(floordiv(m, mg), cg), ci)
+    hit, source = const(True, BOOL), []
+    for d, tap in enumerate(taps):
+        numerator = sub(add(o[d], w.pad_begin[d]), mul(tap, w.dilations[d]))
+        position = floordiv(numerator, w.strides[d])
+        hit = logical_and(hit, logical_and(index_compare("eq", modulo(numerator, w.strides[d]), 0),
+                                           logical_and(index_compare("ge", numerator, 0),
+                                                       index_compare("lt", position, w.in_size[d]))))
+        source.append(clamp(position, 0, w.in_size[d] - 1))
+    x_value = read_x(Index(x_shape, dims=[n, c, *source]))
+    w_value = read_w(Index(w_shape, dims=[c, modulo(m, mg), *taps]))
+    term = select(hit, binary("mul", x_value, w_value), const(0, dtype))
+    body: list[ir.Stmt] = [ir.Assign(total, binary("add", total, term))]
+    for tap, k in reversed(list(zip(taps, w.kernel))):
+        body = [ir.Loop(tap, iconst(0), iconst(k), body)]
+    result = _bias(ctx, total, m)
+    stmts = [ir.DeclAcc(total, const(0, dtype)), ir.Loop(ci, iconst(0), iconst(cg), body),
+             *ctx.results({0: (Index(out.shape, flat=p), result)})]
+    ctx.stage(f"conv-transpose ({ctx.op.id})", [ir.Loop(p, iconst(0), iconst(out.numel), stmts,
+                                                        parallel=1)],
+              out.numel * cg * math.prod(w.kernel))
+
+
+# --- pooling ------------------------------------------------------------------------------------------
+def _pool_check(op: Op, graph: Graph) -> str | None:
+    if op.op_type != "MaxPool":
+        return _float_input(op, graph)
+    return None
+
+
+@stage("MaxPool", "AveragePool", "LpPool", check=_pool_check)
+def _pool(ctx: StageCtx) -> None:
+    x_shape, out = ctx.tensor(0).shape, ctx.out()
+    if out.numel == 0:
+        return
+    w = window(ctx.op, x_shape[2:], out.shape[2:], tuple(ctx.attr("kernel_shape")))
+    kind = ctx.op.op_type
+    dtype = out.dtype
+    read_x = ctx.reader(ctx.op.inputs[0])
+    p = ctx.var("p", out.numel)
+    n, ch, *o = Index(out.shape, flat=p).dims
+    taps = [ctx.var("k", k) for k in w.kernel]
+    positions = [tap_position(w, d, o[d], taps[d]) for d in range(len(taps))]
+    x_value = read_x(Index(x_shape, dims=[n, ch, *positions]))
+    best = acc(ctx.name("acc"), dtype)
+    stmts: list[ir.Stmt] = []
+    where = None
+    if kind == "MaxPool":
+        lowest = -math.inf if dtype in FLOAT_TYPES else int(np.iinfo(np.dtype(dtype)).min)
+        stmts.append(ir.DeclAcc(best, const(lowest, dtype)))
+        better = local(ctx.name("c"), BOOL)
+        update = [ir.Let(better, make("gt", BOOL, (x_value, best))),
+                  ir.Assign(best, select(better, x_value, best))]
+        if ctx.output_used(1):
+            where = acc(ctx.name("arg"), INDEX)
+            stmts.append(ir.DeclAcc(where, iconst(0)))
+            update.append(ir.Assign(where, select(better, _pool_index(ctx, x_shape, n, ch, positions),
+                                                  where)))
+    else:
+        stmts.append(ir.DeclAcc(best, const(0, dtype)))
+        power = float(ctx.attr("p", 2))
+        term = x_value if kind == "AveragePool" else _lp_term(x_value, power)
+        update = [ir.Assign(best, binary("add", best, term))]
+    body: list[ir.Stmt] = update
+    for d in reversed(range(len(taps))):
+        lo, hi = valid_taps(w, d, o[d])
+        body = [ir.Loop(taps[d], lo, hi, body)]
+    stmts += body
+    results = {0: (Index(out.shape, flat=p), _pool_result(ctx, w, o, best, kind))}
+    if where is not None:
+        results[1] = (Index(ctx.out(1).shape, flat=p), where)
+    stmts += ctx.results(results)
+    ctx.stage(f"pool {kind} ({ctx.op.id})",
+              [ir.Loop(p, iconst(0), iconst(out.numel), stmts, parallel=1)],
+              out.numel * math.prod(w.kernel))
+
+
+def _lp_term(x: Expr, power: float) -> Expr:
+    magnitude = make("abs", x.dtype, (x,))
+    if power == 1:
+        return magnitude
+    if power == 2:
+        return binary("mul", x, x)
+    return make("call", x.dtype, (magnitude, const(power, x.dtype)), "pow")
+
+
+def _pool_index(ctx: StageCtx, x_shape, n: Expr, ch: Expr, positions: list[Expr]) -> Expr:
+    plane = add(mul(n, x_shape[1]), ch)
+    spatial = x_shape[2:]
+    if ctx.attr("storage_order", 0) == 0:
+        inner = Index(spatial, dims=positions).flat
+    else:
+        inner = Index(tuple(reversed(spatial)), dims=list(reversed(positions))).flat
+    return add(mul(plane, math.prod(spatial)), inner)
+
+
+def _pool_result(ctx: StageCtx, w: Window, o: list[Expr], total: Expr, kind: str) -> Expr:
+    if kind == "MaxPool":
+        return total
+    if kind == "LpPool":
+        power = float(ctx.attr("p", 2))
+        if power == 2:
+            return make("call", total.dtype, (total,), "sqrt")
+        return make("call", total.dtype, (total, const(1 / power, total.dtype)), "pow")
+    count: Expr = iconst(1)
+    include_pad = ctx.attr("count_include_pad", 0)
+    for d in range(len(o)):
+        if include_pad:
+            base = mul(o[d], w.strides[d])
+            limit = w.in_size[d] + w.pad_begin[d] + w.pad_end[d]
+            taps = imin(ceildiv(sub(iconst(limit), base), w.dilations[d]), w.kernel[d])
+        else:
+            lo, hi = valid_taps(w, d, o[d])
+            taps = sub(hi, lo)
+        count = imul(count, taps)
+    return binary("div", total, cast(count, total.dtype))

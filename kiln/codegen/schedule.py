@@ -1,0 +1,41 @@
+"""Schedule parameters of code generation: explicit, with defaults, recorded in `Kernel.schedule`.
+
+A tuner varies these per block (`generate(..., block_schedules={block_id: {...}})`); the defaults are
+chosen for 2–16 core CPUs with 128–512-bit vectors and 1–2 MB of L2.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any, Mapping
+
+
+@dataclass(frozen=True)
+class Schedule:
+    # Parallelism: a stage runs on one thread below this much work (elements × phases), and the
+    # parallel loop collapses nested loops until it has at least this many iterations.
+    parallel_min_work: int = 1 << 15
+    parallel_min_iterations: int = 64
+    # Loop splitting: split an inner loop whose index maps divide its variable (removes div/mod).
+    split_loops: bool = True
+    # MatMul/Gemm/Einsum contractions: rows per register block, columns per accumulator tile.
+    matmul_tile_m: int = 4
+    matmul_tile_n: int = 256
+    # Convolution: output channels per block (each input row is reused that many times) and
+    # output-row tile width.
+    conv_tile_cout: int = 4
+    conv_tile_w: int = 256
+
+    def merged(self, overrides: Mapping[str, Any] | None) -> "Schedule":
+        if not overrides:
+            return self
+        known = {f.name for f in fields(self)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ValueError(f"unknown schedule parameter(s): {', '.join(unknown)}")
+        return replace(self, **overrides)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+DEFAULT_SCHEDULE = Schedule()

@@ -1,0 +1,179 @@
+"""A test-only runner for generated kernels: compile a plan's kernels with gcc, call them in plan
+order on numpy buffers (the kernel ABI of `kiln.codegen`), and compare with onnxruntime."""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import helper
+
+from kiln import frontend
+from kiln.codegen import Kernel, generate
+from kiln.ecg import Graph
+from kiln.plan import FusionPlan, partitioner
+from kiln.profile.machine import host_machine
+from kiln.profile.roofline import RooflineModel
+from kiln.target import host_target
+
+CFLAGS = ("-O2", "-fopenmp", "-shared", "-fPIC")
+BUILD_DIR = Path(tempfile.gettempdir()) / "kiln-codegen-tests"
+PARTITIONERS = ("none", "fixed", "dnnfusion")
+_STORE: list[RooflineModel] = []
+
+
+def store() -> RooflineModel:
+    if not _STORE:
+        _STORE.append(RooflineModel(host_machine()))
+    return _STORE[0]
+
+
+def plan_for(graph: Graph, name: str) -> FusionPlan:
+    return partitioner(name)(graph, store())
+
+
+def compile_kernels(kernels: Sequence[Kernel]) -> ctypes.CDLL:
+    """All kernels in one translation unit (their helpers are guarded), cached by content hash."""
+    source = "\n".join(k.source for k in kernels)
+    digest = hashlib.sha256(source.encode()).hexdigest()[:20]
+    BUILD_DIR.mkdir(parents=True, exist_ok=True)
+    lib = BUILD_DIR / f"k{digest}.so"
+    if not lib.exists():
+        src = BUILD_DIR / f"k{digest}.c"
+        src.write_text(source)
+        tmp = lib.with_suffix(".tmp.so")
+        subprocess.run(["gcc", *CFLAGS, *host_target().cflags, str(src), "-o", str(tmp), "-lm"],
+                       check=True, capture_output=True, text=True)
+        tmp.rename(lib)
+    return ctypes.CDLL(str(lib))
+
+
+def _filled(shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    """An output buffer full of a sentinel, so elements a kernel forgets to write show up."""
+    if np.dtype(dtype).kind == "f":
+        return np.full(shape, np.nan, dtype=dtype)
+    return np.full(shape, 0x5A, dtype=dtype)
+
+
+def run_kernels(plan: FusionPlan, kernels: Sequence[Kernel],
+                feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Run the kernels in plan order; `feeds` maps graph input tensor ids to arrays."""
+    graph = plan.graph
+    lib = compile_kernels(kernels)
+    values: dict[str, np.ndarray] = {t: np.ascontiguousarray(v, dtype=graph.tensors[t].dtype)
+                                     for t, v in feeds.items()}
+    for t in graph.tensors.values():
+        if t.is_constant:
+            values[t.id] = np.ascontiguousarray(t.data)
+    for kernel in kernels:
+        for name, array in kernel.derived_constants.items():
+            values[name] = np.ascontiguousarray(array)
+        for t in kernel.outputs:
+            values[t] = _filled(graph.tensors[t].shape, graph.tensors[t].dtype)
+        pointers = [values[a].ctypes.data for a in kernel.args]
+        scratch = None
+        if kernel.scratch_bytes:
+            scratch = np.empty(kernel.scratch_bytes + 64, dtype=np.uint8)
+            pointers.append(scratch.ctypes.data + (-scratch.ctypes.data) % 64)
+        args = (ctypes.c_void_p * max(len(pointers), 1))(*pointers)
+        fn = getattr(lib, kernel.symbol)
+        fn.argtypes = [ctypes.c_void_p]
+        fn.restype = None
+        fn(ctypes.cast(args, ctypes.c_void_p))
+    return values
+
+
+def run_graph(graph: Graph, partitioner_name: str,
+              inputs: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+    """Plan, generate and run; `inputs` are keyed by the model's input names."""
+    plan = plan_for(graph, partitioner_name)
+    kernels = generate(plan, host_target())
+    by_name = {graph.tensors[t].source_name: t for t in graph.inputs}
+    feeds = {by_name[name]: value for name, value in inputs.items() if name in by_name}
+    values = run_kernels(plan, kernels, feeds)
+    return [values[t] for t in graph.outputs]
+
+
+def reference(model: onnx.ModelProto, inputs: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+    options = ort.SessionOptions()
+    options.log_severity_level = 4
+    session = ort.InferenceSession(model.SerializeToString(), options,
+                                   providers=["CPUExecutionProvider"])
+    names = {i.name for i in session.get_inputs()}
+    return session.run(None, {k: v for k, v in inputs.items() if k in names})
+
+
+def max_error(got: np.ndarray, want: np.ndarray) -> tuple[float, float]:
+    """(max |got - want|, allowed) with allowed = 1e-3·max|want| + 1e-5; NaNs must match."""
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape, (got.shape, want.shape)
+    if want.dtype.kind not in "fc":
+        return float(np.max(np.abs(got.astype(np.float64) - want.astype(np.float64)),
+                            initial=0.0)), 0.0
+    g, w = got.astype(np.float64), want.astype(np.float64)
+    nan_mismatch = np.isnan(g) != np.isnan(w)
+    same_inf = np.isinf(w) & (g == w)
+    finite = ~np.isnan(w) & ~same_inf
+    err = np.max(np.abs(g - w)[finite], initial=0.0)
+    if nan_mismatch.any() or (np.isinf(w) & ~same_inf).any():
+        err = np.inf
+    scale = np.max(np.abs(w[np.isfinite(w)]), initial=0.0)
+    return float(err), 1e-3 * float(scale) + 1e-5
+
+
+def assert_matches(got: Sequence[np.ndarray], want: Sequence[np.ndarray], what: str = "") -> None:
+    assert len(got) == len(want)
+    for k, (g, w) in enumerate(zip(got, want)):
+        assert g.dtype == w.dtype, f"{what} output {k}: dtype {g.dtype} != {w.dtype}"
+        err, allowed = max_error(g, w)
+        assert err <= allowed, f"{what} output {k}: max |diff| {err} > {allowed}"
+
+
+def check_model(model: onnx.ModelProto, inputs: Mapping[str, np.ndarray],
+                partitioners: Sequence[str] = PARTITIONERS) -> None:
+    """The generated kernels of every partitioner's plan match onnxruntime on `model`."""
+    want = reference(model, inputs)
+    graph = frontend.build(model, {}, "test")
+    for name in partitioners:
+        got = run_graph(graph, name, inputs)
+        assert_matches(got, want, f"[{name}]")
+
+
+# --- building small models ------------------------------------------------------------------------
+def model(nodes, inputs: Mapping[str, tuple[tuple[int, ...], str]],
+          outputs: Sequence[str], initializers: Mapping[str, np.ndarray] | None = None,
+          opset: int = 17) -> onnx.ModelProto:
+    """A model from nodes; inputs map names to (shape, numpy dtype); output types are inferred."""
+    graph = helper.make_graph(
+        list(nodes), "test",
+        [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(np.dtype(d)), s)
+         for n, (s, d) in inputs.items()],
+        [onnx.ValueInfoProto(name=o) for o in outputs],
+        [onnx.numpy_helper.from_array(np.asarray(v), n) for n, v in (initializers or {}).items()])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
+    inferred = onnx.shape_inference.infer_shapes(m)
+    del m.graph.output[:]
+    known = {v.name: v for v in (*inferred.graph.value_info, *inferred.graph.output)}
+    m.graph.output.extend(known[o] for o in outputs)
+    return m
+
+
+def random_inputs(spec: Mapping[str, tuple[tuple[int, ...], str]],
+                  seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, (shape, dtype) in spec.items():
+        kind = np.dtype(dtype).kind
+        if kind == "f":
+            out[name] = rng.standard_normal(shape).astype(dtype)
+        elif kind == "b":
+            out[name] = rng.random(shape) < 0.5
+        else:
+            out[name] = rng.integers(-20 if kind == "i" else 0, 20, size=shape).astype(dtype)
+    return out
