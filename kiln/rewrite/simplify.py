@@ -1,0 +1,415 @@
+"""Simplify: the algebraic clean-ups real exports need so that fusion finds more.
+
+Identities (x·1, x+0, x/1, double negation), strength reduction (division by a constant into a
+multiplication, Pow(x, 2) into x·x, Pow(x, 0.5) into Sqrt), data-movement chains (Transpose of a
+Transpose, Reshape chains, a Reshape/Transpose pair that keeps the element order), casts that do
+nothing, folding BatchNormalization into the Conv/Gemm before it and constant scales and shifts
+into a Gemm, Sub/Neg normalization where it enables another rule, reductions that have an ONNX op
+of their own, and the decomposed LayerNormalization and GELU that exporters emit.
+
+These rules are local to a few ops and may involve ops without math properties, so they are not
+confined to a partition.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from kiln.rewrite import facts as f
+from kiln.rewrite.dsl import (FLOAT32, NUMERIC, SIMPLIFY, A, Abs, Add, B, Cast, Div, Erf,
+                              Expand, Fill, Gemm, Identity, K, Log, MatMul, Mul, Neg, Pow,
+                              Recip, ReduceSum, ReduceSumSquare, Relu, Sqrt, Square, Sub, Tanh,
+                              Var, W1, Wc, X, alt, ax, c, one_of, op, rule, s, s1, s2)
+
+EXPORTS = "export clean-up"
+MOVES = ("Transpose", "Reshape", "Flatten", "Squeeze", "Unsqueeze")
+REORGANIZE = ("Reshape", "Flatten", "Squeeze", "Unsqueeze")
+
+
+def _simp(name, pattern, replacement, **kw):
+    kw.setdefault("source", EXPORTS)
+    return rule(name, SIMPLIFY, pattern, replacement, **kw)
+
+
+# --- identities ----------------------------------------------------------------------------------
+# Exact for every dtype; the engine refuses them where the constant would broadcast X.
+
+_simp("mul_one", Mul(X, Fill(1)), X, dtypes=NUMERIC)
+_simp("add_zero", Add(X, Fill(0)), X, dtypes=NUMERIC)
+_simp("sub_zero", Sub(X, Fill(0)), X, dtypes=NUMERIC)
+_simp("div_one", Div(X, Fill(1)), X, dtypes=NUMERIC)
+_simp("pow_one", Pow(X, Fill(1)), X)
+_simp("pow_zero", Pow(X, Fill(0)), K(lambda m: np.ones(m.out.shape, m.out.dtype), "ones"),
+      note="x^0 = 1 for every x, 0 and NaN included")
+_simp("neg_neg", Neg(Neg(X)), X, dtypes=NUMERIC)
+_simp("recip_recip", Recip(Recip(X)), X, example={"domain": {"X": "away"}})
+_simp("identity", Identity(X), X, dtypes=None)
+_simp("idempotent_binary", one_of("Max", "Min", "And", "Or")(X, X), X, dtypes=None,
+      note="max(x, x) = min(x, x) = x and x = x or x = x")
+_simp("where_same", op("Where")(Var("cond", "index"), X, X), X, dtypes=None)
+for _fname in ("Abs", "Relu", "Ceil", "Floor", "Round", "Sign"):
+    _f = op(_fname)
+    _simp(f"{_fname.lower()}_idempotent", _f(_f(X)), _f(X), note=f"{_fname} of {_fname}")
+_simp("abs_neg", Abs(Neg(X)), Abs(X))
+_simp("relu_abs", Relu(Abs(X)), Abs(X))
+_simp("abs_relu", Abs(Relu(X)), Relu(X))
+
+# --- strength reduction ---------------------------------------------------------------------------
+
+_simp("div_const_to_mul", Div(X, c), Mul(X, Recip(c)), guard=f.finite_nonzero("c"),
+      example={"domain": {"c": "away"}},
+      note="floating-point only: integer division truncates")
+_simp("div_to_mul_recip", Div(X, B), Mul(X, Recip(B)), example={"domain": {"B": "away"}},
+      note="x / y → x · (1/y): pays off when y is broadcast (LayerNorm's division by the std)")
+_simp("recip_mul_to_div", Mul(X, Recip(B)), Div(X, B), example={"domain": {"B": "away"}},
+      note="the other direction, when y is not broadcast")
+_simp("pow_two", Pow(X, Fill(2)), Square(X))
+_simp("pow_three", Pow(X, Fill(3)), Mul(Square(X), X))
+_SQ = Square(X)
+_simp("pow_four", Pow(X, Fill(4)), Mul(_SQ, _SQ))
+_simp("pow_half", Pow(X, Fill(0.5)), Sqrt(X), example={"domain": {"X": "pos"}})
+_simp("pow_minus_one", Pow(X, Fill(-1)), Recip(X), example={"domain": {"X": "away"}})
+_simp("pow_minus_half", Pow(X, Fill(-0.5)), Recip(Sqrt(X)), example={"domain": {"X": "pos"}})
+_simp("pow_minus_two", Pow(X, Fill(-2)), Recip(Square(X)), example={"domain": {"X": "away"}})
+_simp("sqrt_square", Sqrt(Mul(X, X)), Abs(X), note="√(x²) = |x|")
+_simp("reducesum_square", ReduceSum(alt(Mul(X, X), Pow(X, Fill(2))), ax, name="r"),
+      ReduceSumSquare(X, ax, like="r"), example={"family": "reduce"})
+_simp("reducesum_abs", ReduceSum(Abs(X), ax, name="r"), op("ReduceL1")(X, ax, like="r"),
+      example={"family": "reduce"})
+_simp("sqrt_reducesumsquare", Sqrt(ReduceSumSquare(X, ax, name="r")),
+      op("ReduceL2")(X, ax, like="r"), example={"family": "reduce"})
+_simp("log_reducesum", Log(ReduceSum(X, ax, name="r")), op("ReduceLogSum")(X, ax, like="r"),
+      example={"family": "reduce", "domain": {"X": "pos"}})
+_simp("log_reducesum_exp", Log(ReduceSum(op("Exp")(X), ax, name="r")),
+      op("ReduceLogSumExp")(X, ax, like="r"), example={"family": "reduce"})
+
+# --- Sub/Neg normalization --------------------------------------------------------------------------
+
+_simp("sub_neg", Sub(A, Neg(B)), Add(A, B))
+_simp("add_neg", Add(A, Neg(B)), Sub(A, B))
+_simp("neg_sub", Neg(Sub(A, B)), Sub(B, A))
+_simp("sub_const_to_add", Sub(X, c), Add(X, Neg(c)), enabling=True,
+      note="x − c → x + (−c) where an Add-only rule then applies")
+_simp("neg_mul_outward", Mul(Neg(A), B), Neg(Mul(A, B)), enabling=True,
+      note="move a negation outward where it then cancels")
+
+# --- casts --------------------------------------------------------------------------------------------
+
+_simp("cast_identity", Cast(X, name="k"), X, dtypes=None,
+      guard=lambda m: m.dtype("X") == m.dtype("k"))
+
+
+def _lossless_first(m) -> bool:
+    return np.can_cast(np.dtype(m.dtype("X")), np.dtype(m.dtype("k1")), "safe")
+
+
+_simp("cast_cast", Cast(Cast(X, name="k1"), name="k2"),
+      lambda m: X if m.dtype("X") == m.dtype("k2") else Cast(X, like="k2"),
+      guard=_lossless_first, dtypes=None, replacement_text="Cast(X) (or X)",
+      note="when the first cast is lossless, only the second matters")
+
+# --- data movement ------------------------------------------------------------------------------------
+
+
+def _order_preserved(m) -> bool:
+    """The chain of Transpose/Reshape-like ops keeps the elements in row-major order."""
+    index = np.arange(m.numel("X")).reshape(m.shape("X"))
+    for node in sorted(m.ops, key=lambda o: m.work.key[o.id]):
+        out = m.work.tensors[node.outputs[0]].shape
+        if node.op_type == "Transpose":
+            index = np.transpose(index, node.attrs.get("perm") or None)
+        else:
+            index = index.reshape(out)
+    return bool(np.array_equal(index.reshape(-1), np.arange(index.size)))
+
+
+def _reshape_to_out(m):
+    if m.out.shape == m.shape("X"):
+        return X
+    return op("Reshape")(X, K(lambda m_: np.asarray(m_.out.shape, np.int64), "shape"))
+
+
+def _compose(m):
+    rank = m.rank("X")
+    inner = m.op("t1").attrs.get("perm") or list(reversed(range(rank)))
+    outer = m.op("t2").attrs.get("perm") or list(reversed(range(rank)))
+    perm = [inner[p] for p in outer]
+    return X if perm == list(range(rank)) else op("Transpose")(X, perm=perm)
+
+
+_Transpose = op("Transpose")
+_simp("transpose_transpose", _Transpose(_Transpose(X, name="t1"), name="t2"), _compose,
+      dtypes=None, replacement_text="Transpose(X, perm1∘perm2) (or X)")
+_simp("transpose_identity", _Transpose(X, name="t"), X, dtypes=None,
+      guard=lambda m: list(m.op("t").attrs.get("perm") or []) == list(range(m.rank("X"))))
+_simp("reshape_chain", one_of(*REORGANIZE)(one_of(*REORGANIZE)(X, s1), s2), _reshape_to_out,
+      dtypes=None, replacement_text="Reshape(X, shape) (or X)",
+      note="two Reshape/Flatten/Squeeze/Unsqueeze in a row are one Reshape")
+_simp("reshape_identity", one_of(*REORGANIZE)(X, s), X, dtypes=None,
+      guard=lambda m: m.out.shape == m.shape("X"))
+_simp("expand_identity", Expand(X, s), X, dtypes=None,
+      guard=lambda m: m.out.shape == m.shape("X"))
+_simp("movement_pair_to_reshape", one_of(*MOVES)(one_of(*MOVES)(X, s1), s2), _reshape_to_out,
+      guard=f.all_of(lambda m: any(o.op_type == "Transpose" for o in m.ops), _order_preserved),
+      dtypes=None, replacement_text="Reshape(X, shape) (or X)",
+      note="a Reshape/Transpose pair that keeps the element order (it cancels) is one Reshape")
+_simp("movement_triple_to_reshape",
+      one_of(*MOVES)(one_of(*MOVES)(one_of(*MOVES)(X, s), s1), s2), _reshape_to_out,
+      guard=f.all_of(lambda m: any(o.op_type == "Transpose" for o in m.ops), _order_preserved),
+      dtypes=None, replacement_text="Reshape(X, shape) (or X)",
+      note="e.g. split heads, transpose, transpose back and merge: one Reshape")
+
+
+def _expand_subsumed(m) -> bool:
+    """Broadcasting X itself gives the same shape: the Expand only materializes a broadcast."""
+    others = [m.shape(n) for n in ("Y",) if n in m]
+    return tuple(np.broadcast_shapes(m.shape("X"), *others)) == m.out.shape
+
+
+_SYMMETRIC_BINARY = ("Add", "Mul", "Max", "Min", "And", "Or", "Xor", "Equal")
+_simp("expand_into_broadcast", one_of(*_SYMMETRIC_BINARY)(Expand(X, s), Var("Y"), name="e"),
+      lambda m: op(m.op("e").op_type)(X, Var("Y"), like="e"), guard=_expand_subsumed,
+      dtypes=None, replacement_text="op(X, Y)",
+      note="an Expand feeding a broadcasting op is done by the broadcast")
+_simp("expand_into_broadcast_left", one_of("Sub", "Div", "Pow")(Expand(X, s), Var("Y"), name="e"),
+      lambda m: op(m.op("e").op_type)(X, Var("Y"), like="e"), guard=_expand_subsumed,
+      dtypes=None, replacement_text="op(X, Y)", example={"domain": {"X": "pos", "Y": "away"}})
+_simp("expand_into_broadcast_right", one_of("Sub", "Div", "Pow")(Var("Y"), Expand(X, s), name="e"),
+      lambda m: op(m.op("e").op_type)(Var("Y"), X, like="e"), guard=_expand_subsumed,
+      dtypes=None, replacement_text="op(Y, X)", example={"domain": {"X": "away", "Y": "pos"}})
+
+# --- clipping -----------------------------------------------------------------------------------------
+
+Clip = op("Clip")
+_LO, _HI = Var("lo", "const"), Var("hi", "const")
+_LO2, _HI2 = Var("lo2", "const"), Var("hi2", "const")
+
+
+def _bounds(m, lo: str, hi: str) -> tuple[float, float] | None:
+    low, high = m.scalar(lo), m.scalar(hi)
+    return None if low is None or high is None else (low, high)
+
+
+def _clip_clip_ok(m) -> bool:
+    inner, outer = _bounds(m, "lo", "hi"), _bounds(m, "lo2", "hi2")
+    return (inner is not None and outer is not None
+            and max(inner[0], outer[0]) <= min(inner[1], outer[1]))
+
+
+def _scalar_like(m, name: str, value: float) -> np.ndarray:
+    return np.asarray(value, dtype=m.dtype(name))
+
+
+_simp("clip_clip", Clip(Clip(X, _LO, _HI), _LO2, _HI2),
+      Clip(X, K(lambda m: _scalar_like(m, "lo", max(m.scalar("lo"), m.scalar("lo2"))), "max(lo)"),
+           K(lambda m: _scalar_like(m, "hi", min(m.scalar("hi"), m.scalar("hi2"))), "min(hi)")),
+      guard=_clip_clip_ok, note="nested ranges intersect")
+_simp("relu_clip", Relu(Clip(X, _LO, _HI)),
+      Clip(X, K(lambda m: _scalar_like(m, "lo", max(m.scalar("lo"), 0.0)), "max(lo, 0)"), _HI),
+      guard=lambda m: (b := _bounds(m, "lo", "hi")) is not None and max(b[0], 0.0) <= b[1])
+_simp("clip_relu", Clip(Relu(X), _LO, _HI),
+      Clip(X, K(lambda m: _scalar_like(m, "lo", max(m.scalar("lo"), 0.0)), "max(lo, 0)"), _HI),
+      guard=lambda m: (b := _bounds(m, "lo", "hi")) is not None and max(b[0], 0.0) <= b[1])
+
+# --- folding into Conv / Gemm ---------------------------------------------------------------------
+# BatchNormalization(y) = (y − mean)·scale/√(var + ε) + bias: a per-channel affine map.
+
+BatchNormalization = op("BatchNormalization")
+_BN = BatchNormalization(Var("Y"), Var("bs", "const"), Var("bb", "const"), Var("bm", "const"),
+                         Var("bv", "const"), name="bn")
+
+
+def _bn_affine(m) -> tuple[np.ndarray, np.ndarray]:
+    eps = float(m.attr("bn", "epsilon"))
+    scale = m.value("bs") / np.sqrt(m.value("bv") + eps)
+    return scale, m.value("bb") - m.value("bm") * scale
+
+
+def _inference_bn(m) -> bool:
+    return not m.attr("bn", "training_mode", 0) and all(
+        m.rank(n) == 1 for n in ("bs", "bb", "bm", "bv"))
+
+
+def _bn_into_conv(m):
+    scale, shift = _bn_affine(m)
+    weight = m.value("W") * scale.reshape((-1,) + (1,) * (m.rank("W") - 1))
+    bias = shift + (m.value("b") * scale if m["b"] is not None else 0)
+    dtype = m.dtype("W")
+    return op("Conv")(X, K(lambda _: weight.astype(dtype), "W⊙scale"),
+                      K(lambda _: np.asarray(bias, dtype), "(b − mean)⊙scale + bias"), like="conv")
+
+
+def _bn_into_gemm(m):
+    scale, shift = _bn_affine(m)
+    trans = m.attr("g", "transB")
+    alpha, beta = float(m.attr("g", "alpha")), float(m.attr("g", "beta"))
+    weight = m.value("W") * (scale[:, None] if trans else scale) * alpha
+    bias = shift + (m.value("C") * beta * scale if m["C"] is not None else 0)
+    dtype = m.dtype("W")
+    return Gemm(A, K(lambda _: weight.astype(dtype), "W⊙scale"),
+                K(lambda _: np.broadcast_to(np.asarray(bias, dtype), (m.out.shape[1],)).copy()
+                  if np.ndim(bias) <= 1 else np.asarray(bias, dtype), "(C − mean)⊙scale + bias"),
+                like="g", alpha=1.0, beta=1.0)
+
+
+def _bn_as_affine(m):
+    scale, shift = _bn_affine(m)
+    rank, dtype = m.rank("Y"), m.dtype("Y")
+    shape = (-1,) + (1,) * (rank - 2)
+    return Add(Mul(Var("Y"), K(lambda _: scale.reshape(shape).astype(dtype), "scale")),
+               K(lambda _: shift.reshape(shape).astype(dtype), "shift"))
+
+
+_Conv = op("Conv")
+_simp("batchnorm_into_conv",
+      BatchNormalization(_Conv(X, Wc, Var("b", "param"), name="conv"), Var("bs", "const"),
+                         Var("bb", "const"), Var("bm", "const"), Var("bv", "const"), name="bn"),
+      _bn_into_conv, guard=_inference_bn, example={"family": "batchnorm_conv"},
+      replacement_text="Conv(X, W⊙scale, (b − mean)⊙scale + bias)")
+_simp("batchnorm_into_gemm",
+      BatchNormalization(Gemm(A, Wc, Var("C", "param"), name="g"), Var("bs", "const"),
+                         Var("bb", "const"), Var("bm", "const"), Var("bv", "const"), name="bn"),
+      _bn_into_gemm, guard=_inference_bn, example={"family": "batchnorm_gemm"},
+      replacement_text="Gemm(A, W⊙scale, (C − mean)⊙scale + bias)")
+_simp("batchnorm_to_affine", _BN, _bn_as_affine,
+      guard=f.all_of(_inference_bn, lambda m: m.rank("Y") >= 2), example={"family": "batchnorm"},
+      replacement_text="Y⊙scale + shift", note="4 FLOPs per element become 2")
+
+_simp("gemm_add_bias", Add(Gemm(A, B, name="g"), c), Gemm(A, B, c, like="g", beta=1.0),
+      example={"family": "gemm"}, note="an added constant becomes the Gemm's bias")
+_simp("matmul_bias_to_gemm", Add(MatMul(X, W1), c), Gemm(X, W1, c),
+      guard=lambda m: m.rank("X") == 2 and m.rank("W1") == 2, example={"family": "matmul_bias"},
+      note="a 2-D MatMul plus a constant is a Gemm with bias")
+
+
+def _affine_into_gemm(m):
+    """Gemm(X⊙g + b, W, C) = Gemm(X, g[:, None]⊙W, C + b·W) (g, b along X's last axis)."""
+    g = f.last_vector("g")(m)
+    b = np.broadcast_to(f.last_vector("b")(m), (m.shape("W")[0],))
+    weight = m.value("W") * (g[:, None] if g.ndim else g)
+    shift = b @ m.value("W")
+    bias = shift if m["C"] is None else m.value("C") + shift
+    dtype = m.dtype("W")
+    reshaped = X if "r" not in m.nodes else op("Reshape")(X, s, like="r")
+    return Gemm(reshaped, K(lambda _: weight.astype(dtype), "g⊙W"),
+                K(lambda _: np.asarray(bias, dtype), "C + b·W"), like="gm")
+
+
+def _affine_gemm_ok(m) -> bool:
+    if m.attr("gm", "transA") or m.attr("gm", "transB") or m.rank("W") != 2:
+        return False
+    if float(m.attr("gm", "alpha")) != 1.0 or float(m.attr("gm", "beta")) != 1.0:
+        return False
+    if "r" in m.nodes and m.shape("X")[-1:] != m.shape("r")[-1:]:
+        return False  # the Reshape must keep the last axis
+    return f.along_last("g", "X")(m) and f.along_last("b", "X")(m)
+
+
+_AFFINE = Add(Mul(X, Var("g", "const")), Var("b", "const"))
+_simp("affine_into_gemm", Gemm(_AFFINE, Wc, Var("C", "param"), name="gm"), _affine_into_gemm,
+      guard=_affine_gemm_ok, example={"family": "affine_gemm"},
+      replacement_text="Gemm(X, g⊙W, C + b·W)",
+      note="a LayerNorm's scale and shift fold into the Gemm that reads it")
+_simp("affine_into_gemm_through_reshape",
+      Gemm(op("Reshape")(_AFFINE, s, name="r"), Wc, Var("C", "param"), name="gm"),
+      _affine_into_gemm, guard=_affine_gemm_ok, example={"family": "affine_gemm_reshape"},
+      replacement_text="Gemm(Reshape(X), g⊙W, C + b·W)",
+      note="GPT-2's LayerNorm → Reshape → Gemm")
+
+# --- decomposed ops that ONNX has as one op ----------------------------------------------------------
+# LayerNormalization (opset 17) and Gelu (opset 20): one op instead of nine or five to eight, one
+# kernel instead of two (the two reductions of a decomposed LayerNorm never fuse, Table 3: red).
+
+ReduceMean = op("ReduceMean")
+_MEAN = ReduceMean(X, Var("ax1", "param"), name="mean")
+_D = Sub(X, _MEAN, name="d")
+_VAR = ReduceMean(alt(Pow(Var("d"), Fill(2)), Mul(Var("d"), Var("d"))), Var("ax2", "param"),
+                  name="var")
+_STD = Sqrt(Add(_VAR, Var("e", "const")))
+_NORM = alt(Div(_D, _STD), Mul(_D, Recip(_STD)))
+
+
+def _layernorm_axis(m) -> int | None:
+    rank = m.rank("X")
+    first, second = m.axes("mean"), m.axes("var")
+    if not first or first != second or first != tuple(range(first[0], rank)):
+        return None
+    if not (m.attr("mean", "keepdims") and m.attr("var", "keepdims")):
+        return None
+    return first[0]
+
+
+def _layernorm_ok(m, affine: bool) -> bool:
+    axis = _layernorm_axis(m)
+    eps = m.scalar("e")
+    if axis is None or eps is None or not eps >= 0 or not math.isfinite(eps):
+        return False
+    if not affine:
+        return True
+    rank = m.rank("X")
+    return all(m.rank(n) <= rank and all(d == 1 for d in m.aligned(n, rank)[:axis])
+               for n in ("g", "b"))
+
+
+def _layernorm(affine: bool):
+    def make(m):
+        axis = _layernorm_axis(m)
+        normalized = m.shape("X")[axis:]
+        dtype = m.dtype("X")
+
+        def param(name: str | None, fill: float):
+            if name is None:
+                return np.full(normalized, fill, dtype)
+            return np.broadcast_to(m.value(name).reshape(m.aligned(name, m.rank("X"))[axis:]),
+                                   normalized).astype(dtype)
+
+        scale = K(lambda _: param("g" if affine else None, 1.0), "g")
+        bias = K(lambda _: param("b" if affine else None, 0.0), "b")
+        return op("LayerNormalization")(X, scale, bias, axis=axis, epsilon=m.scalar("e"))
+    return make
+
+
+_LN_NOTE = "(x − mean)/√(var + ε)·g + b over trailing axes, as exporters decompose it"
+_simp("layernorm", Add(Mul(_NORM, Var("g", "const")), Var("b", "const")), _layernorm(True),
+      guard=lambda m: _layernorm_ok(m, True), dtypes=FLOAT32, example={"family": "layernorm"},
+      replacement_text="LayerNormalization(X, g, b)", note=_LN_NOTE)
+_simp("layernorm_plain", Div(_D, _STD), _layernorm(False),
+      guard=lambda m: _layernorm_ok(m, False), dtypes=FLOAT32,
+      example={"family": "layernorm"}, replacement_text="LayerNormalization(X, 1, 0)",
+      note="the same without scale and shift")
+
+_SQRT2 = math.sqrt(2.0)
+_HALF_ERF = Add(Erf(alt(Div(X, Var("k", "const"), name="arg"),
+                        Mul(X, Var("k", "const"), name="arg"))), Fill(1))
+
+
+def _erf_argument_ok(m) -> bool:
+    k = m.scalar("k")
+    if k is None:
+        return False
+    want = _SQRT2 if m.op("arg").op_type == "Div" else 1 / _SQRT2
+    return abs(k - want) <= 1e-6 * want
+
+
+_GELU = op("Gelu")
+_simp("gelu_erf", Mul(Mul(X, _HALF_ERF), Fill(0.5)), _GELU(X), guard=_erf_argument_ok,
+      example={"family": "gelu"}, note="x·(1 + erf(x/√2))·0.5, BERT's GELU")
+_simp("gelu_erf_half_first", Mul(Mul(X, Fill(0.5)), _HALF_ERF), _GELU(X),
+      guard=_erf_argument_ok, example={"family": "gelu"}, note="0.5·x·(1 + erf(x/√2))")
+
+_CUBE = alt(Pow(X, Fill(3)), Mul(Mul(X, X), X))
+_TANH = Add(Tanh(Mul(Add(X, Mul(_CUBE, Var("k1", "const"))), Var("k2", "const"))), Fill(1))
+
+
+def _tanh_constants_ok(m) -> bool:
+    k1, k2 = m.scalar("k1"), m.scalar("k2")
+    return (k1 is not None and k2 is not None and abs(k1 - 0.044715) <= 1e-6
+            and abs(k2 - math.sqrt(2 / math.pi)) <= 1e-6)
+
+
+_simp("gelu_tanh", Mul(Mul(X, Fill(0.5)), _TANH), _GELU(X, approximate="tanh"),
+      guard=_tanh_constants_ok, example={"family": "gelu_tanh"},
+      note="0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))), GPT-2's GELU")
+_simp("gelu_tanh_half_last", Mul(Mul(X, _TANH), Fill(0.5)), _GELU(X, approximate="tanh"),
+      guard=_tanh_constants_ok, example={"family": "gelu_tanh"})
