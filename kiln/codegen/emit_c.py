@@ -350,8 +350,7 @@ class CEmitter:
         if op == "bitnot":
             return f"(({t})(~{a[0]}))"
         if op in ("shl", "shr"):
-            sym = "<<" if op == "shl" else ">>"
-            return f"({a[1]} >= {BITS[dtype]} ? ({t})0 : ({t})({a[0]} {sym} {a[1]}))"
+            return _render_shift(op, dtype, a)
         if op == "call":
             fn = e.attr + ("f" if dtype == "float32" else "")
             return f"{fn}({', '.join(a)})"
@@ -386,6 +385,21 @@ def _wrapping(dtype: str, pattern: str, a: list[str]) -> str:
         return f"(({t})(" + pattern.format(*a) + "))"
     u = UNSIGNED_OF[dtype]
     return f"(({t})(" + pattern.format(*(f"({u}){x}" for x in a)) + "))"
+
+
+def _render_shift(op: str, dtype: str, a: list[str]) -> str:
+    """ONNX BitShift: a shift by a negative amount or by the bit width or more gives 0, or -1 for
+    an arithmetic right shift of a negative value (numpy's saturating semantics)."""
+    t = C_TYPES[dtype]
+    signed = dtype in SIGNED_TYPES
+    out_of_range = f"({a[1]} >= {BITS[dtype]}" + (f" || {a[1]} < 0)" if signed else ")")
+    if op == "shl":
+        shifted = f"({t})((uint64_t)({a[0]}) << {a[1]})"
+        saturated = f"({t})0"
+    else:
+        shifted = f"({t})({a[0]} >> {a[1]})"
+        saturated = f"({a[0]} < 0 ? ({t})-1 : ({t})0)" if signed else f"({t})0"
+    return f"({out_of_range} ? {saturated} : {shifted})"
 
 
 def _render_cast(src: str, dst: str, a: str) -> str:

@@ -91,11 +91,11 @@ def run_kernels(plan: FusionPlan, kernels: Sequence[Kernel],
 
 def run_graph(graph: Graph, partitioner_name: str,
               inputs: Mapping[str, np.ndarray]) -> list[np.ndarray]:
-    """Plan, generate and run; `inputs` are keyed by the model's input names."""
+    """Plan, generate and run; `inputs` are in the order of the graph's inputs (a dict keyed by
+    the model's input names keeps that order)."""
     plan = plan_for(graph, partitioner_name)
     kernels = generate(plan, host_target())
-    by_name = {graph.tensors[t].source_name: t for t in graph.inputs}
-    feeds = {by_name[name]: value for name, value in inputs.items() if name in by_name}
+    feeds = dict(zip(graph.inputs, inputs.values()))
     values = run_kernels(plan, kernels, feeds)
     return [values[t] for t in graph.outputs]
 

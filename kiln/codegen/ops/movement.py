@@ -264,9 +264,11 @@ def _space_to_depth(ctx: InlineCtx, index: Index) -> Expr:
     b = ctx.attr("blocksize")
     _, channels, _, _ = ctx.shape(0)
     n, ch, h, w = index.dims
-    block = floordiv(ch, channels)
-    dims = [n, modulo(ch, channels), add(mul(h, b), floordiv(block, b)),
-            add(mul(w, b), modulo(block, b))]
+    if ctx.attr("mode", "DCR") == "CRD":
+        source, block = floordiv(ch, b * b), modulo(ch, b * b)
+    else:
+        source, block = modulo(ch, channels), floordiv(ch, channels)
+    dims = [n, source, add(mul(h, b), floordiv(block, b)), add(mul(w, b), modulo(block, b))]
     return ctx.input(0, Index(ctx.shape(0), dims=dims))
 
 

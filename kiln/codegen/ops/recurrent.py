@@ -1,0 +1,342 @@
+"""Recurrent ops: LSTM, GRU, RNN (opaque: always alone in their block).
+
+Per direction: the input projection X·Wᵀ + biases for every time step is one parallel loop nest
+(a dot product per (step, batch, gate row)) into scratch; then a sequential loop over time steps
+runs, per step, a parallel loop of recurrent dot products h·Rᵀ and a parallel elementwise state
+update. The hidden and cell states live in scratch; `sequence_lens` freezes a batch row's state
+past its length and zeroes its outputs there.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from kiln.codegen import ir
+from kiln.codegen.expr import (
+    BOOL, Expr, acc, add, as_index, binary, const, iconst, index_compare, load, local, make,
+    mul, select)
+from kiln.codegen.indexing import Index
+from kiln.codegen.lower import StageCtx
+from kiln.codegen.ops import stage
+from kiln.codegen.ops.elementwise import c, clip01, fn, sigmoid, softplus
+from kiln.ecg import Graph, Op
+
+GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
+DEFAULT_ACTIVATIONS = {"LSTM": ["Sigmoid", "Tanh", "Tanh"], "GRU": ["Sigmoid", "Tanh"],
+                       "RNN": ["Tanh"]}
+ACTIVATION_DEFAULTS = {"Affine": (1.0, 0.0), "LeakyRelu": (0.01, 0.0), "ThresholdedRelu": (1.0, 0.0),
+                       "ScaledTanh": (1.0, 1.0), "HardSigmoid": (0.2, 0.5), "Elu": (1.0, 0.0)}
+ACTIVATIONS = {"Relu", "Tanh", "Sigmoid", "Softsign", "Softplus", *ACTIVATION_DEFAULTS}
+
+Activation = Callable[[Expr], Expr]
+
+
+def activation(name: str, alpha: float | None, beta: float | None) -> Activation:
+    da, db = ACTIVATION_DEFAULTS.get(name, (0.0, 0.0))
+    a = da if alpha is None else alpha
+    b = db if beta is None else beta
+
+    def apply(x: Expr) -> Expr:
+        zero = c(0, x)
+        if name == "Relu":
+            return select(make("lt", BOOL, (x, zero)), zero, x)
+        if name == "Tanh":
+            return fn("tanh", x)
+        if name == "Sigmoid":
+            return sigmoid(x)
+        if name == "Affine":
+            return binary("add", binary("mul", c(a, x), x), c(b, x))
+        if name == "LeakyRelu":
+            return select(make("lt", BOOL, (x, zero)), binary("mul", c(a, x), x), x)
+        if name == "ThresholdedRelu":
+            return select(make("gt", BOOL, (x, c(a, x))), x, zero)
+        if name == "ScaledTanh":
+            return binary("mul", c(a, x), fn("tanh", binary("mul", c(b, x), x)))
+        if name == "HardSigmoid":
+            return clip01(binary("add", binary("mul", c(a, x), x), c(b, x)))
+        if name == "Elu":
+            negative = binary("mul", c(a, x), binary("sub", fn("exp", x), c(1, x)))
+            return select(make("lt", BOOL, (x, zero)), negative, x)
+        if name == "Softsign":
+            return binary("div", x, binary("add", c(1, x), make("abs", x.dtype, (x,))))
+        if name == "Softplus":
+            return softplus(x)
+        raise AssertionError(name)
+    return apply
+
+
+def _check(op: Op, graph: Graph) -> str | None:
+    names = op.attrs.get("activations") or []
+    unknown = sorted(set(names) - ACTIVATIONS)
+    if unknown:
+        return f"activation {', '.join(unknown)}"
+    if graph.tensors[op.inputs[0]].dtype not in ("float32", "float64"):
+        return "floating-point input only"
+    return None
+
+
+@dataclass
+class Recurrence:
+    kind: str
+    seq: int
+    batch: int
+    hidden: int
+    inputs: int
+    directions: int
+    layout: int
+    dtype: str
+
+
+def _activations(ctx: StageCtx, kind: str, directions: int) -> list[list[Activation]]:
+    per = len(DEFAULT_ACTIVATIONS[kind])
+    names = ctx.attr("activations") or DEFAULT_ACTIVATIONS[kind] * directions
+    alphas, betas = ctx.attr("activation_alpha") or [], ctx.attr("activation_beta") or []
+    funcs = [activation(n, alphas[i] if i < len(alphas) else None,
+                        betas[i] if i < len(betas) else None) for i, n in enumerate(names)]
+    return [funcs[d * per:(d + 1) * per] for d in range(directions)]
+
+
+@stage("LSTM", "GRU", "RNN", check=_check)
+def _recurrent(ctx: StageCtx) -> None:
+    kind = ctx.op.op_type
+    x_shape = ctx.tensor(0).shape
+    layout = ctx.attr("layout", 0)
+    seq, batch = (x_shape[1], x_shape[0]) if layout else (x_shape[0], x_shape[1])
+    hidden = ctx.attr("hidden_size")
+    dirs = 2 if ctx.attr("direction", "forward") == "bidirectional" else 1
+    r = Recurrence(kind, seq, batch, hidden, x_shape[2], dirs, layout, ctx.out(0).dtype)
+    acts = _activations(ctx, kind, dirs)
+    reverse = ctx.attr("direction", "forward") == "reverse"
+    for d in range(dirs):
+        _direction(ctx, r, d, reverse or d == 1, acts[d])
+
+
+def _dot(ctx: StageCtx, dtype: str, extent: int, term: Callable[[Expr], Expr]) -> tuple[list[ir.Stmt], Expr]:
+    total = acc(ctx.name("sum"), dtype)
+    k = ctx.var("k", max(extent, 1))
+    loop = ir.Loop(k, iconst(0), iconst(extent),
+                   [ir.Assign(total, binary("add", total, term(k)))], simd=True,
+                   reductions=(("+", total),))
+    result = local(ctx.name("dot"), dtype)
+    return [ir.DeclAcc(total, const(0, dtype)), loop, ir.Let(result, total)], result
+
+
+def _direction(ctx: StageCtx, r: Recurrence, d: int, backwards: bool,
+               acts: list[Activation]) -> None:
+    kind, dtype, hidden = r.kind, r.dtype, r.hidden
+    rows = GATES[kind] * hidden
+    lbr = kind == "GRU" and ctx.attr("linear_before_reset", 0)
+    x_shape, w_shape = ctx.tensor(0).shape, ctx.tensor(1).shape
+
+    def x_at(t: Expr, b: Expr, i: Expr) -> Expr:
+        dims = [b, t, i] if r.layout else [t, b, i]
+        return ctx.operand(0, Index(x_shape, dims=dims))
+
+    def bias(k: int | Expr) -> Expr:
+        if not ctx.has(3):
+            return const(0, dtype)
+        return ctx.operand(3, Index(ctx.tensor(3).shape, dims=[iconst(d), _ix(k)]))
+
+    # input projection for all steps: xw[t, b, g] = x·W[g] + Wb[g] (+ Rb[g] outside a reset gate)
+    xw = ctx.scratch(dtype, r.seq * r.batch * rows)
+    p = ctx.var("p", r.seq * r.batch * rows)
+    t, b, g = Index((r.seq, r.batch, rows), flat=p).dims
+    stmts, dot = _dot(ctx, dtype, r.inputs, lambda i: binary(
+        "mul", x_at(t, b, i), ctx.operand(1, Index(w_shape, dims=[iconst(d), g, i]))))
+    projected = binary("add", dot, bias(g))
+    recurrent_bias = bias(add(g, rows))
+    if lbr:
+        recurrent_bias = select(index_compare("lt", g, 2 * hidden), recurrent_bias, const(0, dtype))
+    stmts.append(ir.Store(xw, p, binary("add", projected, recurrent_bias)))
+    ctx.stage(f"{kind} ({ctx.op.id}) direction {d}: input projection",
+              [ir.Loop(p, iconst(0), iconst(r.seq * r.batch * rows), stmts, parallel=1)],
+              r.seq * r.batch * rows * r.inputs)
+
+    # states
+    h_state = ctx.scratch(dtype, r.batch * hidden)
+    c_state = ctx.scratch(dtype, r.batch * hidden) if kind == "LSTM" else None
+    q = ctx.var("q", r.batch * hidden)
+    qb, qj = Index((r.batch, hidden), flat=q).dims
+    init = [ir.Store(h_state, q, _initial(ctx, 5, d, qb, qj, dtype))]
+    if c_state:
+        init.append(ir.Store(c_state, q, _initial(ctx, 6, d, qb, qj, dtype)))
+
+    step = ctx.var("step", r.seq)
+    t_now = add(mul(step, -1), r.seq - 1) if backwards else step
+    gates = ctx.scratch(dtype, r.batch * rows)
+    recurrent_rows = 2 * hidden if kind == "GRU" and not lbr else rows
+    step_body = [_gate_loop(ctx, r, d, h_state, gates, recurrent_rows)]
+    if kind == "GRU" and not lbr:
+        step_body += _reset_hidden(ctx, r, d, h_state, gates, xw, t_now, acts)
+    step_body.append(_update_loop(ctx, r, d, t_now, xw, gates, h_state, c_state, acts, bool(lbr)))
+    time_loop = ir.Loop(step, iconst(0), iconst(r.seq), step_body)
+    final = _final_states(ctx, r, d, h_state, c_state)
+    ctx.stage(f"{kind} ({ctx.op.id}) direction {d}: recurrence",
+              [ir.Loop(q, iconst(0), iconst(r.batch * hidden), init), time_loop, *final],
+              r.batch * rows * hidden)
+
+
+def _ix(k: int | Expr) -> Expr:
+    return iconst(k) if isinstance(k, int) else k
+
+
+def _initial(ctx: StageCtx, position: int, d: int, b: Expr, j: Expr, dtype: str) -> Expr:
+    if not ctx.has(position):
+        return const(0, dtype)
+    shape = ctx.tensor(position).shape
+    dims = [b, iconst(d), j] if ctx.attr("layout", 0) else [iconst(d), b, j]
+    return ctx.operand(position, Index(shape, dims=dims))
+
+
+def _gate_loop(ctx: StageCtx, r: Recurrence, d: int, h_state: str, gates: str,
+               rows: int) -> ir.Loop:
+    """gates[b, g] = Σ_j h[b, j] · R[d, g, j] for the first `rows` gate rows."""
+    dtype, hidden = r.dtype, r.hidden
+    all_rows = GATES[r.kind] * hidden
+    p = ctx.var("p", r.batch * rows)
+    b, g = Index((r.batch, rows), flat=p).dims
+    r_shape = ctx.tensor(2).shape
+    stmts, dot = _dot(ctx, dtype, hidden, lambda j: binary(
+        "mul", load(h_state, dtype, add(mul(b, hidden), j)),
+        ctx.operand(2, Index(r_shape, dims=[iconst(d), g, j]))))
+    stmts.append(ir.Store(gates, add(mul(b, all_rows), g), dot))
+    return ir.Loop(p, iconst(0), iconst(r.batch * rows), stmts,
+                   parallel=1 if r.batch * rows * hidden >= ctx.schedule.parallel_min_work else 0)
+
+
+def _reset_hidden(ctx: StageCtx, r: Recurrence, d: int, h_state: str, gates: str, xw: str,
+                  t: Expr, acts: list[Activation]) -> list[ir.Stmt]:
+    """GRU without linear_before_reset: gates[b, 2H + j] = Σ_k (r_t ⊙ h)[b, k] · Rh[d, j, k]."""
+    dtype, hidden = r.dtype, r.hidden
+    rows = 3 * hidden
+    reset = ctx.scratch(dtype, r.batch * hidden)
+    q = ctx.var("q", r.batch * hidden)
+    b, j = Index((r.batch, hidden), flat=q).dims
+    pre = _preactivation(ctx, r, xw, gates, t, b, add(j, hidden))
+    fill = ir.Loop(q, iconst(0), iconst(r.batch * hidden),
+                   [ir.Store(reset, q, binary("mul", acts[0](pre),
+                                              load(h_state, dtype, q)))])
+    p = ctx.var("p", r.batch * hidden)
+    pb, pj = Index((r.batch, hidden), flat=p).dims
+    r_shape = ctx.tensor(2).shape
+    stmts, dot = _dot(ctx, dtype, hidden, lambda k: binary(
+        "mul", load(reset, dtype, add(mul(pb, hidden), k)),
+        ctx.operand(2, Index(r_shape, dims=[iconst(d), add(pj, 2 * hidden), k]))))
+    stmts.append(ir.Store(gates, add(mul(pb, rows), pj, 2 * hidden), dot))
+    return [fill, ir.Loop(p, iconst(0), iconst(r.batch * hidden), stmts)]
+
+
+def _preactivation(ctx: StageCtx, r: Recurrence, xw: str, gates: str, t: Expr, b: Expr,
+                   g: Expr) -> Expr:
+    rows = GATES[r.kind] * r.hidden
+    value = binary("add", load(xw, r.dtype, add(mul(add(mul(t, r.batch), b), rows), g)),
+                   load(gates, r.dtype, add(mul(b, rows), g)))
+    return _clipped(ctx, value)
+
+
+def _update_loop(ctx: StageCtx, r: Recurrence, d: int, t: Expr, xw: str, gates: str,
+                 h_state: str, c_state: str | None, acts: list[Activation], lbr: bool) -> ir.Loop:
+    dtype, hidden = r.dtype, r.hidden
+    q = ctx.var("q", r.batch * hidden)
+    b, j = Index((r.batch, hidden), flat=q).dims
+    h_prev = local(ctx.name("h"), dtype)
+    stmts: list[ir.Stmt] = [ir.Let(h_prev, load(h_state, dtype, q))]
+
+    def pre(gate: int) -> Expr:
+        return _preactivation(ctx, r, xw, gates, t, b, add(j, gate * hidden))
+
+    c_new = c_prev = None
+    if r.kind == "LSTM":
+        c_prev = local(ctx.name("c"), dtype)
+        stmts.append(ir.Let(c_prev, load(c_state, dtype, q)))
+        peep = _peepholes(ctx, d, j, dtype)
+        f_act, g_act, h_act = acts
+        i_gate = f_act(binary("add", pre(0), binary("mul", peep[0], c_prev)))
+        if ctx.attr("input_forget", 0):
+            f_gate = binary("sub", c(1, i_gate), i_gate)
+        else:
+            f_gate = f_act(binary("add", pre(2), binary("mul", peep[2], c_prev)))
+        candidate = g_act(pre(3))
+        c_value = binary("add", binary("mul", f_gate, c_prev), binary("mul", i_gate, candidate))
+        c_new = local(ctx.name("c"), dtype)
+        stmts.append(ir.Let(c_new, c_value))
+        o_gate = f_act(binary("add", pre(1), binary("mul", peep[1], c_new)))
+        h_value = binary("mul", o_gate, h_act(c_new))
+    elif r.kind == "GRU":
+        f_act, g_act = acts
+        z = f_act(pre(0))
+        if lbr:
+            reset = f_act(pre(1))
+            rows = 3 * hidden
+            g_row = add(j, 2 * hidden)
+            recurrent = binary("add", load(gates, dtype, add(mul(b, rows), g_row)),
+                               _recurrent_bias(ctx, d, g_row, rows, dtype))
+            xw_h = load(xw, dtype, add(mul(add(mul(t, r.batch), b), rows), g_row))
+            candidate = g_act(_clipped(ctx, binary("add", xw_h, binary("mul", reset, recurrent))))
+        else:
+            candidate = g_act(pre(2))
+        h_value = binary("add", binary("mul", binary("sub", c(1, z), z), candidate),
+                         binary("mul", z, h_prev))
+    else:
+        h_value = acts[0](pre(0))
+    h_new = local(ctx.name("h"), dtype)
+    stmts.append(ir.Let(h_new, h_value))
+    valid = _valid(ctx, b, t)
+    keep_h = h_new if valid is None else select(valid, h_new, h_prev)
+    stmts.append(ir.Store(h_state, q, keep_h))
+    if c_state is not None:
+        keep_c = c_new if valid is None else select(valid, c_new, c_prev)
+        stmts.append(ir.Store(c_state, q, keep_c))
+    y = h_new if valid is None else select(valid, h_new, const(0, dtype))
+    if ctx.output_used(0):
+        y_shape = ctx.out(0).shape
+        dims = [b, t, iconst(d), j] if r.layout else [t, iconst(d), b, j]
+        stmts += ctx.results({0: (Index(y_shape, dims=dims), y)})
+    return ir.Loop(q, iconst(0), iconst(r.batch * hidden), stmts,
+                   parallel=1 if r.batch * hidden * 64 >= ctx.schedule.parallel_min_work else 0)
+
+
+def _clipped(ctx: StageCtx, value: Expr) -> Expr:
+    limit = ctx.attr("clip")
+    if limit is None:
+        return value
+    lo, hi = c(-limit, value), c(limit, value)
+    value = select(make("lt", BOOL, (value, lo)), lo, value)
+    return select(make("gt", BOOL, (value, hi)), hi, value)
+
+
+def _recurrent_bias(ctx: StageCtx, d: int, g: Expr, rows: int, dtype: str) -> Expr:
+    if not ctx.has(3):
+        return const(0, dtype)
+    return ctx.operand(3, Index(ctx.tensor(3).shape, dims=[iconst(d), add(g, rows)]))
+
+
+def _peepholes(ctx: StageCtx, d: int, j: Expr, dtype: str) -> list[Expr]:
+    if not ctx.has(7):
+        return [const(0, dtype)] * 3
+    shape = ctx.tensor(7).shape
+    hidden = shape[1] // 3
+    return [ctx.operand(7, Index(shape, dims=[iconst(d), add(j, k * hidden)])) for k in range(3)]
+
+
+def _valid(ctx: StageCtx, b: Expr, t: Expr) -> Expr | None:
+    if not ctx.has(4):
+        return None
+    length = as_index(ctx.operand(4, Index(ctx.tensor(4).shape, dims=[b])))
+    return make("lt", BOOL, (t, length))
+
+
+def _final_states(ctx: StageCtx, r: Recurrence, d: int, h_state: str,
+                  c_state: str | None) -> list[ir.Stmt]:
+    q = ctx.var("q", r.batch * r.hidden)
+    b, j = Index((r.batch, r.hidden), flat=q).dims
+    results: dict[int, tuple[Index, Expr]] = {}
+    for position, state in ((1, h_state), (2, c_state)):
+        if state is not None and ctx.output_used(position):
+            shape = ctx.out(position).shape
+            dims = [b, iconst(d), j] if r.layout else [iconst(d), b, j]
+            results[position] = (Index(shape, dims=dims), load(state, r.dtype, q))
+    if not results:
+        return []
+    return [ir.Loop(q, iconst(0), iconst(r.batch * r.hidden), ctx.results(results))]
+
