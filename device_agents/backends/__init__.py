@@ -22,6 +22,9 @@ from collections.abc import Sequence
 from device_agents.facts import HardwareFacts, Transport, collect_facts
 
 HEX64 = re.compile(r"[0-9a-f]{64}")
+# One output line per file, in order: its sha256sum line, or "-" when it cannot be hashed.
+SHA256_SCRIPT = ('for f in "$@"; do sha256sum "$f" 2>/dev/null || toybox sha256sum "$f" '
+                 '2>/dev/null || echo -; done')
 
 
 class DeviceError(Exception):
@@ -76,10 +79,19 @@ class DeviceBackend(abc.ABC):
 
     async def sha256(self, remote_path: str) -> str | None:
         """The SHA-256 of a file on the device, computed there; None when it does not exist."""
-        code, out, _ = await self.run(["sha256sum", remote_path], 120)
-        if code == 127:  # no sha256sum applet on the PATH: toybox has it on every Android
-            code, out, _ = await self.run(["toybox", "sha256sum", remote_path], 120)
-        return parse_sha256sum(out) if code == 0 else None
+        return (await self.sha256_many([remote_path]))[remote_path]
+
+    async def sha256_many(self, remote_paths: Sequence[str]) -> dict[str, str | None]:
+        """`sha256` of several files in one command (toybox's sha256sum where there is no other)."""
+        paths = list(dict.fromkeys(remote_paths))
+        if any("\n" in p for p in paths):
+            raise ValueError("remote paths must not contain newlines")
+        code, out, err = await self.run(["sh", "-c", SHA256_SCRIPT, "kiln", *paths], 120)
+        lines = out.splitlines()
+        if code != 0 or len(lines) != len(paths):
+            raise DeviceError(f"{self.name}: cannot hash files on the device (exit status "
+                              f"{code}): {err.strip()[:300]}")
+        return {p: parse_sha256sum(line) for p, line in zip(paths, lines)}
 
     async def remove(self, remote_path: str) -> None:
         """Delete a file or folder on the device (no error when it does not exist)."""

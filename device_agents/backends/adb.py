@@ -76,8 +76,9 @@ class AdbBackend(DeviceBackend):
 
     def __init__(self, device_factory: Callable[[], AdbDevice], signer: Any, name: str,
                  work_dir: str = "/data/local/tmp/kiln", io_timeout: float = 10.0,
-                 auth_timeout: float = 30.0):
+                 auth_timeout: float = 30.0, direct_max_s: float = DIRECT_MAX_S):
         self.name = name
+        self.direct_max_s = direct_max_s
         self.work_dir = work_dir
         self._factory = device_factory
         self._signer = signer
@@ -111,6 +112,11 @@ class AdbBackend(DeviceBackend):
                 device.close()
                 raise DeviceError(f"{self.name}: the device refused this agent's adb key; allow "
                                   f"it on the device ({exc})") from exc
+            except TRANSPORT_ERRORS as exc:
+                device.close()
+                raise DeviceLostError(f"{self.name}: cannot connect (or the device did not "
+                                      f"allow this agent's adb key within {self.auth_timeout:g} "
+                                      f"s): {type(exc).__name__}: {exc}") from exc
             except BaseException:
                 device.close()
                 raise
@@ -158,7 +164,7 @@ class AdbBackend(DeviceBackend):
     # --- DeviceBackend ---------------------------------------------------------------------
     async def run(self, argv: list[str], timeout: float) -> tuple[int, str, str]:
         line = command_line(argv)
-        if timeout <= DIRECT_MAX_S:
+        if timeout <= self.direct_max_s:
             return await self._run_direct(line, argv[0], timeout)
         return await self._run_job(line, argv[0], timeout)
 

@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 from device_agents.backends import CommandTimeout, DeviceBackend, DeviceError
@@ -55,18 +56,18 @@ class LocalBackend(DeviceBackend):
                                  f"and was killed") from None
         return proc.returncode or 0, out.decode(errors="replace"), err.decode(errors="replace")
 
-    async def sha256(self, remote_path: str) -> str | None:
-        def digest() -> str | None:
+    async def sha256_many(self, remote_paths: Sequence[str]) -> dict[str, str | None]:
+        def digest(path: str) -> str | None:
             sha = hashlib.sha256()
             try:
-                with open(remote_path, "rb") as f:
+                with open(path, "rb") as f:
                     while chunk := f.read(1 << 20):
                         sha.update(chunk)
             except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
                 return None
             return sha.hexdigest()
 
-        return await asyncio.to_thread(digest)
+        return await asyncio.to_thread(lambda: {p: digest(p) for p in remote_paths})
 
     async def remove(self, remote_path: str) -> None:
         path = Path(remote_path)

@@ -8,8 +8,11 @@ connection sends keepalives, so a host that vanishes is noticed within
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import posixpath
 import secrets
+import signal
+import time
 from pathlib import Path
 
 import asyncssh
@@ -22,6 +25,9 @@ from device_agents.backends import (
     command_line,
 )
 
+GRACE_S = 5.0
+DEADLINE_SCRIPT = ('t=$1; shift; if command -v timeout >/dev/null 2>&1; then '
+                   'exec timeout -s KILL "$t" "$@"; fi; exec "$@"')
 LOST = (asyncssh.ConnectionLost, asyncssh.DisconnectError, asyncssh.ChannelOpenError,
         ConnectionError, OSError, EOFError)
 
@@ -70,23 +76,39 @@ class SshBackend(DeviceBackend):
         return self._conn
 
     async def run(self, argv: list[str], timeout: float) -> tuple[int, str, str]:
-        line = command_line(argv)
+        # The host enforces the timeout itself with coreutils' `timeout` when it has one: sshd
+        # does not pass signals to root's sessions, and a closed channel does not stop a process.
+        line = command_line(["sh", "-c", DEADLINE_SCRIPT, "kiln", f"{timeout:.3f}", *argv])
         conn = await self._connection()
+        start = time.monotonic()
         try:
-            done = await conn.run(line, check=False, timeout=timeout, encoding=None)
-        except asyncssh.TimeoutError:
-            raise CommandTimeout(f"{self.name}: {argv[0]} ran past its {timeout:g} s timeout "
-                                 f"and was stopped") from None
+            process = await conn.create_process(line, encoding=None)
+            try:
+                done = await asyncio.wait_for(process.wait(check=False), timeout + GRACE_S)
+            except asyncio.TimeoutError:
+                with contextlib.suppress(Exception):
+                    process.send_signal("KILL")  # honoured for non-root users (OpenSSH >= 7.9)
+                process.close()
+                raise CommandTimeout(f"{self.name}: {argv[0]} ran past its {timeout:g} s "
+                                     f"timeout and was stopped") from None
         except LOST as exc:
             await self._drop()
             raise DeviceLostError(f"{self.name}: connection lost while running {argv[0]}: "
                                   f"{exc or type(exc).__name__}") from exc
-        if done.exit_status is None:  # the channel closed without an exit status
+        killed = done.exit_status in (137, -1) or done.exit_signal is not None
+        if killed and time.monotonic() - start >= timeout:
+            raise CommandTimeout(f"{self.name}: {argv[0]} ran past its {timeout:g} s timeout "
+                                 f"and was killed")
+        if done.exit_signal is not None:
+            name = str(done.exit_signal[0])
+            number = getattr(signal.Signals, f"SIG{name}", None)
+            return (128 + int(number) if number else 255, _text(done.stdout),
+                    _text(done.stderr) + f"\nkilled by signal {name}")
+        if done.exit_status is None or done.exit_status < 0:  # closed without an exit status
             await self._drop()
             if not await self.alive():
                 raise DeviceLostError(f"{self.name}: connection lost while running {argv[0]}")
-            signal = done.exit_signal[0] if done.exit_signal else "unknown"
-            return 128, _text(done.stdout), _text(done.stderr) + f"\nkilled by signal {signal}"
+            raise DeviceError(f"{self.name}: {argv[0]} ended without an exit status")
         return done.exit_status, _text(done.stdout), _text(done.stderr)
 
     async def push(self, local_path: str, remote_path: str, mode: int = 0o644) -> None:

@@ -15,7 +15,7 @@ No Android device or adbd exists here, so this peer plays one on a loopback TCP 
 - `sync:`: SEND/DATA/DONE (push; parents created like adbd does, paths confined to the phone's
   folder), STAT, RECV (pull) and QUIT.
 
-Test hooks: `commands` (every shell command received), `vanish()` (the phone disappears: the port
+Test hooks: `commands` (every shell command received), `auth_log`, `vanish()` (the phone disappears: the port
 closes and every connection is reset, as when a cable is pulled), `vanish_when` (vanish instead of
 running a matching shell command), `corrupt_pushes` (flip one byte of every pushed file).
 
@@ -114,6 +114,7 @@ class AdbPeer:
         self.qemu = qemu or shutil.which("qemu-aarch64") or "qemu-aarch64"
         self.authorized: list[rsa.RSAPublicKey] = []
         self.commands: list[str] = []
+        self.auth_log: list[str] = []  # how each connection got in: none, signature, new-key
         self.vanish_when: Callable[[str], bool] | None = None
         self.corrupt_pushes = False
         self.vanished = threading.Event()
@@ -285,6 +286,7 @@ class _Connection:
             if self.peer.require_auth:
                 self._challenge()
             else:
+                self.peer.auth_log.append("none")
                 self._accept()
             return True
         if command == AUTH:
@@ -333,6 +335,7 @@ class _Connection:
                     key.verify(data, self.token, padding.PKCS1v15(), utils.Prehashed(hashes.SHA1()))
                 except (InvalidSignature, ValueError):
                     continue
+                self.peer.auth_log.append("signature")
                 self._accept()
                 return True
             self._challenge()
@@ -344,6 +347,7 @@ class _Connection:
                 self.peer.authorized.append(android_public_key(data))
             except (ValueError, struct.error):
                 return False
+            self.peer.auth_log.append("new-key")
             self._accept()
             return True
         return False
