@@ -15,7 +15,7 @@ from kiln.report import format_report
 from kiln.target import TARGET_NAMES
 
 # Modules defining `add_commands(subparsers)`; each registers its subcommands.
-COMMAND_MODULES: tuple[str, ...] = ("kiln.runtime.cli",)
+COMMAND_MODULES: tuple[str, ...] = ("kiln.runtime.cli", "service.cli", "workers.cli")
 
 
 def _compile(args: argparse.Namespace) -> int:

@@ -1,0 +1,1 @@
+"""Alembic migrations of the service database (from an empty database to head)."""

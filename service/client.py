@@ -1,0 +1,144 @@
+"""A small Python client of the Kiln service (used by `kiln submit` and the tests).
+
+    client = KilnClient("http://127.0.0.1:8000", api_key)
+    model = client.upload_model("tinybert.onnx")
+    job = client.submit(model["id"], target="host")
+    job = client.wait(job["id"], on_progress=print)
+    client.download_artifact(job["id"], "tinybert.kiln")
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+TERMINAL = ("succeeded", "failed", "cancelled")
+
+
+class ServiceError(Exception):
+    """The service refused a request; `detail` is its problem+json message."""
+
+    def __init__(self, status: int, title: str, detail: str):
+        super().__init__(f"{status} {title}: {detail}")
+        self.status, self.title, self.detail = status, title, detail
+
+
+class KilnClient:
+    def __init__(self, url: str, api_key: str | None, timeout: float = 60.0,
+                 http: httpx.Client | None = None):
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = http or httpx.Client(base_url=url.rstrip("/"), headers=headers,
+                                         timeout=httpx.Timeout(timeout, connect=10.0))
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self) -> "KilnClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- requests --------------------------------------------------------------------------
+
+    def _check(self, response: httpx.Response) -> httpx.Response:
+        if response.is_success:
+            return response
+        try:
+            body = response.json()
+            title, detail = body.get("title", response.reason_phrase), body.get("detail", "")
+        except ValueError:
+            title, detail = response.reason_phrase, response.text[:500]
+        raise ServiceError(response.status_code, title, detail)
+
+    def health(self) -> dict[str, Any]:
+        return self._check(self.http.get("/v1/health")).json()
+
+    def upload_model(self, path: str | Path) -> dict[str, Any]:
+        path = Path(path)
+        with path.open("rb") as f:
+            response = self.http.post("/v1/models", content=f, params={"filename": path.name},
+                                      headers={"Content-Type": "application/octet-stream"})
+        return self._check(response).json()
+
+    def submit(self, model_id: str, target: str = "host", partitioner: str = "dnnfusion",
+               shapes: dict[str, list[int]] | None = None, rewrite: bool = True) -> dict[str, Any]:
+        body = {"model_id": model_id, "target": target, "partitioner": partitioner,
+                "shapes": {k: list(v) for k, v in (shapes or {}).items()}, "rewrite": rewrite}
+        return self._check(self.http.post("/v1/jobs", json=body)).json()
+
+    def job(self, job_id: str) -> dict[str, Any]:
+        return self._check(self.http.get(f"/v1/jobs/{job_id}")).json()
+
+    def jobs(self, state: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
+        params = {"limit": limit} | ({"state": state} if state else {})
+        return self._check(self.http.get("/v1/jobs", params=params)).json()
+
+    def cancel(self, job_id: str) -> dict[str, Any]:
+        return self._check(self.http.post(f"/v1/jobs/{job_id}/cancel")).json()
+
+    def report(self, job_id: str) -> dict[str, Any]:
+        return self._check(self.http.get(f"/v1/jobs/{job_id}/report")).json()
+
+    def events(self, job_id: str) -> Iterator[dict[str, Any]]:
+        """The job's server-sent events: a job dict per change, until it is finished."""
+        with self.http.stream("GET", f"/v1/jobs/{job_id}/events",
+                              timeout=httpx.Timeout(None, connect=10.0)) as response:
+            self._check_stream(response)
+            event, data = "message", []
+            for line in response.iter_lines():
+                if line == "":
+                    if data and event == "job":
+                        yield json.loads("\n".join(data))
+                    if event == "end":
+                        return
+                    event, data = "message", []
+                elif line.startswith("event:"):
+                    event = line[6:].strip()
+                elif line.startswith("data:"):
+                    data.append(line[5:].lstrip())
+
+    def _check_stream(self, response: httpx.Response) -> None:
+        if not response.is_success:
+            response.read()
+            self._check(response)
+
+    def wait(self, job_id: str, on_progress: Callable[[dict[str, Any]], None] | None = None,
+             timeout: float | None = None) -> dict[str, Any]:
+        """Follow the job's events until it is finished; return the job."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        job: dict[str, Any] = {}
+        while True:
+            try:
+                for job in self.events(job_id):
+                    if on_progress:
+                        on_progress(job)
+                    if deadline and time.monotonic() > deadline:
+                        raise TimeoutError(f"job {job_id} did not finish in {timeout} s")
+            except httpx.TransportError:  # the stream broke; poll once and follow again
+                time.sleep(0.5)
+            job = self.job(job_id)
+            if job["state"] in TERMINAL:
+                return job
+            if deadline and time.monotonic() > deadline:
+                raise TimeoutError(f"job {job_id} did not finish in {timeout} s")
+
+    def download_artifact(self, job_id: str, dest: str | Path) -> Path:
+        """Stream the artifact to `dest` (written under a temporary name, then renamed)."""
+        dest = Path(dest)
+        partial = dest.with_name(f".{dest.name}.{os.getpid()}.part")
+        try:
+            with self.http.stream("GET", f"/v1/jobs/{job_id}/artifact") as response:
+                self._check_stream(response)
+                with partial.open("wb") as out:
+                    for chunk in response.iter_bytes(1 << 20):
+                        out.write(chunk)
+            os.replace(partial, dest)
+        finally:
+            partial.unlink(missing_ok=True)
+        return dest

@@ -1,0 +1,1 @@
+"""Devices that measure kernels (phones over adb, GPU hosts over ssh). Filled in by profiling."""

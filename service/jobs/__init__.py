@@ -1,0 +1,1 @@
+"""Compile jobs and their artifacts: creation, the worker-side state machine, the API."""

@@ -1,0 +1,90 @@
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+JobState = Literal["queued", "running", "succeeded", "failed", "cancelled"]
+
+
+class JobCreate(BaseModel):
+    """What to compile: an uploaded model, for a target, with a partitioner and options."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
+        {"model_id": "3f2c…", "target": "host", "partitioner": "dnnfusion",
+         "shapes": {"input_ids": [1, 128]}}]})
+
+    model_id: str = Field(max_length=64)
+    target: str = Field("host", description="one of kiln.target.TARGET_NAMES")
+    partitioner: str = Field("dnnfusion", description="one of kiln.plan.partitioner_names()")
+    shapes: dict[str, list[int]] = Field(default_factory=dict,
+                                         description="values of the inputs' symbolic dimensions")
+    rewrite: bool = Field(True, description="apply the math-property rewrites")
+
+    @field_validator("target")
+    @classmethod
+    def _known_target(cls, value: str) -> str:
+        from kiln.target import TARGET_NAMES
+
+        if value not in TARGET_NAMES:
+            raise ValueError(f"unknown target {value!r}; choose one of {', '.join(TARGET_NAMES)}")
+        return value
+
+    @field_validator("partitioner")
+    @classmethod
+    def _known_partitioner(cls, value: str) -> str:
+        from kiln.plan import partitioner_names
+
+        names = partitioner_names()
+        if value not in names:
+            raise ValueError(f"unknown partitioner {value!r}; choose one of {', '.join(names)}")
+        return value
+
+    @field_validator("shapes")
+    @classmethod
+    def _positive_dims(cls, value: dict[str, list[int]]) -> dict[str, list[int]]:
+        for name, dims in value.items():
+            if any(d <= 0 for d in dims):
+                raise ValueError(f"dimensions of input {name!r} must be positive, got {dims}")
+        return value
+
+
+class ArtifactOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    sha256: str
+    size_bytes: int
+    created_at: datetime
+
+
+class JobOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: str
+    model_id: str
+    target: str
+    partitioner: str
+    shapes: dict[str, list[int]]
+    rewrite: bool
+    state: JobState
+    stage: str | None = Field(description="the compiler stage running or last run")
+    progress: int = Field(ge=0, le=100)
+    stage_seconds: dict[str, float] = Field(description="seconds per finished stage")
+    error: str | None = Field(description="why the job failed (the compiler's message)")
+    attempts: int = Field(description="runs started (more than one after a lost worker)")
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    artifact: ArtifactOut | None = None
+    links: dict[str, str] = Field(default_factory=dict)
+
+
+def job_out(job: Any, artifact: Any | None = None) -> JobOut:
+    out = JobOut.model_validate(job)
+    out.artifact = ArtifactOut.model_validate(artifact) if artifact is not None else None
+    base = f"/v1/jobs/{job.id}"
+    out.links = {"self": base, "events": f"{base}/events", "cancel": f"{base}/cancel"}
+    if job.state == "succeeded":
+        out.links |= {"artifact": f"{base}/artifact", "report": f"{base}/report"}
+    return out

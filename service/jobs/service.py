@@ -1,0 +1,89 @@
+"""The API side of jobs: create (validated against the model), list, get, cancel."""
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import select
+
+from service.db import Database, utcnow
+from service.jobs.schemas import JobCreate
+from service.jobs.tables import CANCELLED, QUEUED, RUNNING, TERMINAL, Artifact, Job
+from service.models import service as models
+from service.problems import APIError
+
+
+def check_shapes(inputs: list[dict[str, Any]], shapes: dict[str, list[int]]) -> None:
+    """Refuse shapes the compiler would refuse, before anything is queued (422)."""
+    by_name = {i["name"]: i for i in inputs}
+    for name, dims in shapes.items():
+        if name not in by_name:
+            raise APIError(422, "Unprocessable Content", f"shapes: the model has no input {name!r}"
+                           f" (inputs: {', '.join(by_name) or 'none'})")
+        if len(dims) != len(by_name[name]["shape"]):
+            raise APIError(422, "Unprocessable Content", f"shapes: input {name!r} has rank "
+                           f"{len(by_name[name]['shape'])}, got {len(dims)} dimensions")
+        for axis, (want, got) in enumerate(zip(by_name[name]["shape"], dims)):
+            if isinstance(want, int) and want > 0 and want != got:
+                raise APIError(422, "Unprocessable Content", f"shapes: dimension {axis} of input "
+                               f"{name!r} is fixed at {want}, got {got}")
+    for info in inputs:
+        symbolic = [d for d in info["shape"] if not isinstance(d, int) or d <= 0]
+        if symbolic and info["name"] not in shapes:
+            raise APIError(422, "Unprocessable Content", f"input {info['name']!r} has symbolic "
+                           f"dimension(s) {', '.join(map(str, symbolic))}: give its shape in "
+                           f"`shapes`")
+
+
+def create(db: Database, tenant_id: str, request: JobCreate) -> Job:
+    model = models.get(db, tenant_id, request.model_id)
+    check_shapes(model.inputs, request.shapes)
+    with db.write() as s:
+        job = Job(tenant_id=tenant_id, model_id=model.id, target=request.target,
+                  partitioner=request.partitioner, shapes=request.shapes, rewrite=request.rewrite,
+                  state=QUEUED, progress=0, stage_seconds={}, attempts=0)
+        s.add(job)
+    return job
+
+
+def delete(db: Database, job_id: str) -> None:
+    """Remove a job that could not be queued."""
+    with db.write() as s:
+        job = s.get(Job, job_id)
+        if job is not None:
+            s.delete(job)
+
+
+def get(db: Database, tenant_id: str, job_id: str) -> tuple[Job, Artifact | None]:
+    with db.read() as s:
+        job = s.get(Job, job_id)
+        if job is None or job.tenant_id != tenant_id:
+            raise APIError(404, "Not Found", f"no job with id {job_id!r}")
+        artifact = s.scalars(select(Artifact).where(Artifact.job_id == job_id)).first()
+    return job, artifact
+
+
+def list_jobs(db: Database, tenant_id: str, state: str | None, limit: int,
+              offset: int) -> list[tuple[Job, Artifact | None]]:
+    query = (select(Job, Artifact).outerjoin(Artifact, Artifact.job_id == Job.id)
+             .where(Job.tenant_id == tenant_id))
+    if state:
+        query = query.where(Job.state == state)
+    query = query.order_by(Job.created_at.desc(), Job.id).limit(limit).offset(offset)
+    with db.read() as s:
+        return [(job, artifact) for job, artifact in s.execute(query)]
+
+
+def cancel(db: Database, tenant_id: str, job_id: str) -> tuple[Job, bool]:
+    """Cancel a queued or running job; (job, whether it was stopped by this call)."""
+    with db.write() as s:
+        job = s.get(Job, job_id, with_for_update=True)
+        if job is None or job.tenant_id != tenant_id:
+            raise APIError(404, "Not Found", f"no job with id {job_id!r}")
+        if job.state == CANCELLED:
+            return job, False
+        if job.state in TERMINAL:
+            raise APIError(409, "Conflict", f"job {job_id} has already {job.state}; only queued "
+                           "or running jobs can be cancelled")
+        assert job.state in (QUEUED, RUNNING)
+        job.state, job.finished_at, job.error = CANCELLED, utcnow(), "cancelled by the client"
+        return job, True

@@ -1,0 +1,1 @@
+"""Uploaded ONNX models: streamed to disk, validated by kiln's frontend, stored once by content."""

@@ -1,0 +1,1 @@
+"""Measured kernel latencies per device (the shared profiling database). Filled in by profiling."""

@@ -1,0 +1,78 @@
+"""One Settings object for the service, the workers and the CLI, read from KILN_* variables.
+
+The defaults are the embedded ones: every piece of state (SQLite database, broker folder, stored
+models and artifacts, API key of the default tenant) lives in one data folder.
+"""
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def _default_data_dir() -> Path:
+    base = os.environ.get("XDG_DATA_HOME") or "~/.local/share"
+    return Path(base).expanduser() / "kiln"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="KILN_", extra="ignore")
+
+    data_dir: Path = Field(default_factory=_default_data_dir,
+                           description="folder holding all embedded state")
+    database_url: str = Field("", description="SQLAlchemy URL; default SQLite in data_dir")
+    broker_url: str = Field("", description="Celery broker; default a folder in data_dir")
+    broker_key_prefix: str = Field("", description="prefix of every broker key (Redis)")
+    storage_root: Path | None = Field(None, description="models and artifacts; default data_dir/storage")
+    profile_db: Path | None = Field(None, description="kiln profile store of the workers")
+
+    api_url: str = Field("", description="where clients reach the API; default from host and port")
+    host: str = "127.0.0.1"
+    port: int = 8000
+
+    max_upload_bytes: int = Field(256 << 20, gt=0, description="largest accepted ONNX upload")
+    default_target: str = "host"
+    default_partitioner: str = "dnnfusion"
+
+    worker_concurrency: int = Field(1, ge=1, description="compile processes per worker")
+    heartbeat_seconds: float = Field(5.0, gt=0, description="how often a running job says alive")
+    stale_after_seconds: float = Field(60.0, gt=0, description="silence after which a job is re-run")
+    reap_interval_seconds: float = Field(10.0, gt=0, description="how often workers look for them")
+    max_attempts: int = Field(3, ge=1, description="worker losses before a job is failed")
+    task_max_retries: int = Field(5, ge=0, description="retries of transient failures")
+    broker_poll_seconds: float = Field(0.2, gt=0, description="polling of the embedded broker")
+    events_poll_seconds: float = Field(0.25, gt=0, description="polling behind the SSE stream")
+
+    @model_validator(mode="after")
+    def _fill_defaults(self) -> "Settings":
+        self.data_dir = self.data_dir.expanduser()
+        if not self.database_url:
+            self.database_url = f"sqlite:///{self.data_dir / 'kiln.sqlite'}"
+        if not self.broker_url:
+            self.broker_url = "kilnfs://"
+        if self.storage_root is None:
+            self.storage_root = self.data_dir / "storage"
+        if not self.api_url:
+            self.api_url = f"http://{self.host}:{self.port}"
+        return self
+
+    @property
+    def embedded_broker(self) -> bool:
+        return self.broker_url.startswith("kilnfs://")
+
+    @property
+    def broker_dir(self) -> Path:
+        return self.data_dir / "broker"
+
+    @property
+    def api_key_file(self) -> Path:
+        """The default tenant's key, written by `kiln serve` for local clients."""
+        return self.data_dir / "api-key"
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    return Settings()

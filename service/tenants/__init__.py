@@ -1,0 +1,1 @@
+"""Tenants and their API keys (stored hashed); the authentication dependency."""

@@ -1,0 +1,1 @@
+"""Kiln's Celery workers: the compile task, the stale-job reaper and the embedded broker."""

@@ -1,0 +1,42 @@
+"""Requeue jobs whose worker went silent (SIGKILL, machine loss): a thread in each worker.
+
+Every worker runs it; requeue_stale's conditional update lets exactly one of them requeue a job.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+from service.db import database
+from service.jobs import lifecycle
+from service.settings import Settings
+
+log = logging.getLogger("kiln.worker")
+
+
+def reap_once(settings: Settings, celery_app) -> list[str]:
+    from service.dispatch import Dispatcher
+
+    ids = lifecycle.requeue_stale(database(settings.database_url), settings.stale_after_seconds,
+                                  settings.max_attempts)
+    dispatcher = Dispatcher(celery_app)
+    for job_id in ids:
+        log.warning("job %s: its worker went silent; requeued", job_id)
+        dispatcher.enqueue(job_id)
+    return ids
+
+
+def start(settings: Settings, celery_app) -> threading.Event:
+    stop = threading.Event()
+
+    def loop() -> None:
+        while True:
+            try:
+                reap_once(settings, celery_app)
+            except Exception:
+                log.warning("reaper pass failed", exc_info=True)
+            if stop.wait(settings.reap_interval_seconds):
+                return
+
+    threading.Thread(target=loop, name="kiln-reaper", daemon=True).start()
+    return stop
