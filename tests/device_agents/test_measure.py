@@ -1,0 +1,246 @@
+"""Measuring artifacts on the local machine, over ssh and on the stand-in phone; refusals."""
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from device_agents.backends.local import LocalBackend
+from device_agents.measure import (
+    RUNNER_NAME,
+    BundleHashError,
+    MeasurementError,
+    build_bundle,
+    measure,
+    parse_runner_output,
+)
+from tests.device_agents.test_backends import adb_backend, run, ssh_backend
+
+
+class CountingBackend(LocalBackend):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.pushed: list[str] = []
+        self.runs: list[list[str]] = []
+
+    async def push(self, local_path, remote_path, mode=0o644):
+        self.pushed.append(Path(remote_path).name)
+        await super().push(local_path, remote_path, mode)
+
+    async def run(self, argv, timeout):
+        self.runs.append(argv)
+        return await super().run(argv, timeout)
+
+
+def check_measurement(m, artifact, repeats: int) -> None:
+    assert [(k.symbol, k.block) for k in m.kernels] == [
+        (k["symbol"], k["block"]) for k in artifact.manifest["kernels"]]
+    assert all(len(k.samples_s) == repeats for k in m.kernels)
+    assert all(0 < s < 60 for k in m.kernels for s in k.samples_s)
+    assert len(m.totals) == repeats
+    assert m.artifact_hash == artifact.manifest["content_hash"]
+    assert m.runner_sha256 == artifact.manifest["files"]["bin/kiln-runner"]
+
+
+def test_measure_locally_and_reuse_the_bundle(host_artifact, tmp_path):
+    backend = CountingBackend(tmp_path / "device")
+
+    async def scenario():
+        facts = await backend.facts()
+        first = await measure(backend, facts, host_artifact, runs=5, warmup=1, repeats=2,
+                              cache_dir=tmp_path / "cache")
+        pushed = list(backend.pushed)
+        second = await measure(backend, facts, host_artifact, runs=3, repeats=1, threads=1,
+                               cache_dir=tmp_path / "cache")
+        return facts, first, second, pushed
+
+    facts, first, second, pushed = run(scenario(), backend)
+    check_measurement(first, host_artifact, 2)
+    check_measurement(second, host_artifact, 1)
+    assert (first.runs, first.warmup, second.threads) == (5, 1, 1)
+    assert not first.emulated
+    assert sorted(pushed) == ["input_0.npy", RUNNER_NAME, "weights.bin"]
+    assert len(backend.pushed) == 3  # the second measurement pushed nothing
+    assert first.bundle_id == second.bundle_id == build_bundle(host_artifact,
+                                                               tmp_path / "cache").id
+
+
+def test_measure_over_ssh(sshd, host_artifact, tmp_path):
+    backend = ssh_backend(sshd, tmp_path / "remote work")
+
+    async def scenario():
+        facts = await backend.facts()
+        return await measure(backend, facts, host_artifact, runs=5, repeats=2,
+                             cache_dir=tmp_path / "cache")
+
+    check_measurement(run(scenario(), backend), host_artifact, 2)
+    bundles = list((tmp_path / "remote work" / "bundles").iterdir())
+    assert len(bundles) == 1 and (bundles[0] / RUNNER_NAME).stat().st_mode & 0o111
+
+
+def test_measure_aarch64_on_the_phone(phone, arm_artifact, host_artifact, tmp_path):
+    backend = adb_backend(phone, tmp_path)
+
+    async def scenario():
+        facts = await backend.facts()
+        measured = await measure(backend, facts, arm_artifact, runs=3, repeats=2,
+                                 cache_dir=tmp_path / "cache")
+        with pytest.raises(MeasurementError, match="built for x86_64 but phone-test is aarch64"):
+            await measure(backend, facts, host_artifact, runs=3, cache_dir=tmp_path / "cache")
+        return measured
+
+    measured = run(scenario(), backend)
+    check_measurement(measured, arm_artifact, 2)
+    assert measured.emulated
+    runner_commands = [c for c in phone.commands if f"{RUNNER_NAME}' -n 3" in c
+                       or f"{RUNNER_NAME} -n 3" in c]
+    assert len(runner_commands) == 2
+
+
+def test_aarch64_artifact_is_refused_on_this_machine(arm_artifact, tmp_path):
+    backend = LocalBackend(tmp_path / "device")
+
+    async def scenario():
+        facts = await backend.facts()
+        await measure(backend, facts, arm_artifact, runs=1, cache_dir=tmp_path / "cache")
+
+    with pytest.raises(MeasurementError, match=r"aarch64 devices \(phones over adb\)"):
+        run(scenario(), backend)
+
+
+def test_missing_isa_is_refused(host_artifact, tmp_path):
+    if not host_artifact.isa:
+        pytest.skip("this machine's artifacts use no optional ISA feature")
+    backend = LocalBackend(tmp_path / "device")
+
+    async def scenario():
+        facts = (await backend.facts()).model_copy(update={"isa": ("sse2",)})
+        await measure(backend, facts, host_artifact, runs=1, cache_dir=tmp_path / "cache")
+
+    with pytest.raises(MeasurementError, match=f"uses {host_artifact.isa[0]}"):
+        run(scenario(), backend)
+
+
+class TamperingBackend(CountingBackend):
+    """A device whose storage replaces the runner with a script that would leave a trace."""
+
+    def __init__(self, *args, canary: Path, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.canary = canary
+
+    async def push(self, local_path, remote_path, mode=0o644):
+        await super().push(local_path, remote_path, mode)
+        if remote_path.endswith(RUNNER_NAME):
+            Path(remote_path).write_text(f"#!/bin/sh\ntouch {self.canary}\n")
+
+
+def test_wrong_hash_on_the_device_refuses_to_run(host_artifact, tmp_path):
+    backend = TamperingBackend(tmp_path / "device", canary=tmp_path / "ran")
+
+    async def scenario():
+        facts = await backend.facts()
+        await measure(backend, facts, host_artifact, runs=1, cache_dir=tmp_path / "cache")
+
+    with pytest.raises(BundleHashError, match=f"{RUNNER_NAME} of bundle .* refusing to run"):
+        run(scenario(), backend)
+    assert not (tmp_path / "ran").exists()
+    assert not any(argv[0].endswith(RUNNER_NAME) for argv in backend.runs)
+    assert not list((tmp_path / "device").rglob(RUNNER_NAME))  # the bad file was removed
+
+
+def test_phone_that_corrupts_pushes_runs_nothing(phone, arm_artifact, tmp_path):
+    phone.corrupt_pushes = True
+    backend = adb_backend(phone, tmp_path)
+
+    async def scenario():
+        facts = await backend.facts()
+        await measure(backend, facts, arm_artifact, runs=1, cache_dir=tmp_path / "cache")
+
+    with pytest.raises(BundleHashError, match="refusing to run"):
+        run(scenario(), backend)
+    assert not any(" -n 1 " in c for c in phone.commands)
+
+
+class LyingBackend(LocalBackend):
+    """A device whose runner prints `report` (and exits with `status`)."""
+
+    def __init__(self, *args, report: str, status: int = 0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.report, self.status = report, status
+
+    async def run(self, argv, timeout):
+        if argv[0].endswith(RUNNER_NAME):
+            return self.status, self.report, "kiln-runner: error: the model failed"
+        return await super().run(argv, timeout)
+
+
+def good_report(manifest, runs=5, warmup=2) -> dict:
+    return {"threads": 2, "warmup": warmup, "runs": runs,
+            "latency_ns": {"median": 2000, "p10": 1900, "p90": 2500, "min": 1800, "max": 3000},
+            "kernels": [{"index": i, "symbol": k["symbol"], "block": k["block"], "median_ns": 600}
+                        for i, k in enumerate(manifest["kernels"])]}
+
+
+def edit(report: dict, path: tuple, value) -> str:
+    target = report
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+    return json.dumps(report)
+
+
+BAD_REPORTS = {
+    "negative": (("kernels", 0, "median_ns"), -5, "latencies must be finite, > 0"),
+    "zero": (("kernels", 1, "median_ns"), 0, "latencies must be finite, > 0"),
+    "absurd": (("kernels", 2, "median_ns"), 61 * 10**9, "< 60 s"),
+    "string": (("kernels", 0, "median_ns"), "600", "not a number"),
+    "total": (("latency_ns", "median"), -1, r"latency_ns.median"),
+    "unordered": (("latency_ns", "p90"), 1000, "not ordered"),
+    "renamed": (("kernels", 0, "symbol"), "k0_evil", "the artifact's is 'k0_matmul'"),
+    "runs": (("runs",), 7, "asked for runs=5"),
+    "threads": (("threads",), -1, "threads is -1"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_REPORTS))
+def test_bad_reports_are_refused(host_artifact, case):
+    path, value, message = BAD_REPORTS[case]
+    text = edit(good_report(host_artifact.manifest), path, value)
+    with pytest.raises(MeasurementError, match=message):
+        parse_runner_output(text, host_artifact.manifest, runs=5, warmup=2)
+
+
+def test_malformed_reports_are_refused(host_artifact):
+    manifest = host_artifact.manifest
+    good = json.dumps(good_report(manifest))
+    assert parse_runner_output(good, manifest, 5, 2).kernel_seconds == (6e-07,) * 3
+    for text, message in [
+        (good.replace("600", "NaN", 1), "contains NaN"),
+        (good.replace("600", "Infinity", 1), "contains Infinity"),
+        (good.replace("600", "1e400", 1), "finite"),
+        ("not json", "not JSON"),
+        ("[1, 2]", "not a JSON object"),
+        (good[:-10], "not JSON"),
+        (good + " " * 10**6, "bytes; at most"),
+        (json.dumps({**good_report(manifest), "kernels": good_report(manifest)["kernels"][:2]}),
+         "lists 2 kernels; the artifact has 3"),
+    ]:
+        with pytest.raises(MeasurementError, match=message):
+            parse_runner_output(text, manifest, 5, 2)
+
+
+def test_lying_device_is_refused_end_to_end(host_artifact, tmp_path):
+    report = good_report(host_artifact.manifest, runs=5).copy()
+    text = json.dumps(report).replace('"median_ns": 600', '"median_ns": NaN', 1)
+    for backend, message in [
+        (LyingBackend(tmp_path / "a", report=text), "contains NaN"),
+        (LyingBackend(tmp_path / "b", report="", status=1), "exit status 1.*model failed"),
+    ]:
+        async def scenario(backend=backend):
+            facts = await backend.facts()
+            await measure(backend, facts, host_artifact, runs=5, cache_dir=tmp_path / "cache")
+
+        with pytest.raises(MeasurementError, match=message):
+            run(scenario(), backend)
