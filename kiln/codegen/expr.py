@@ -405,6 +405,8 @@ def linearize(dims: Iterable[Expr], shape: tuple[int, ...]) -> Expr:
 
 def delinearize(offset: Expr, shape: tuple[int, ...]) -> tuple[Expr, ...]:
     """The multi-index of a row-major offset (the offset must be within the shape)."""
+    if math.prod(shape) == 0:
+        return tuple(iconst(0) for _ in shape)  # an empty tensor has no element to name
     dims = []
     stride = math.prod(shape)
     for i, n in enumerate(shape):

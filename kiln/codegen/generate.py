@@ -16,9 +16,14 @@ from kiln.plan import Block, FusionPlan
 from kiln.target import Target
 
 
+# Ops the frontend always resolves before code generation (static shapes make them constants).
+RESOLVED_BY_FRONTEND = frozenset({"Constant", "Shape", "Size"})
+
+
 def supported_ops() -> frozenset[str]:
-    """Op types the code generator lowers (with every attribute their ONNX definition has)."""
-    return frozenset(registered())
+    """Op types a compiled model may contain: those the code generator lowers (with every
+    attribute their ONNX definition has) and those the frontend folds into constants."""
+    return frozenset(registered()) | RESOLVED_BY_FRONTEND
 
 
 def check_supported(graph: Graph) -> None:

@@ -163,6 +163,10 @@ class InlineCtx:
     def attr(self, name: str, default=None):
         return self.op.attrs.get(name, default)
 
+    def derived(self, array: np.ndarray) -> str:
+        """A compile-time table the expression may load (a derived constant of the kernel)."""
+        return self.builder.low.derived_constant(array)
+
     @property
     def out(self) -> Tensor:
         return self.graph.tensors[self.op.outputs[self.position]]
@@ -652,8 +656,13 @@ class BlockLowering:
         return name
 
     def derived_constant(self, array: np.ndarray) -> str:
+        array = np.ascontiguousarray(array)
+        for name, known in self.derived.items():
+            if known.dtype == array.dtype and known.shape == array.shape and np.array_equal(
+                    known, array):
+                return name
         name = f"{self.symbol.split('_')[0]}_d{len(self.derived)}"
-        self.derived[name] = np.ascontiguousarray(array)
+        self.derived[name] = array
         return name
 
     # --- assembling the kernel -----------------------------------------------------------------

@@ -38,7 +38,19 @@ def _arrays(values) -> list[np.ndarray]:
             for v in values]
 
 
-def run_case(case, partitioners: list[str]) -> tuple[str, str]:
+def frozen(case, inputs: list[np.ndarray]) -> tuple[onnx.ModelProto, list[np.ndarray]]:
+    """The model with every input but the first turned into an initializer (so values such as
+    Resize scales or TopK's k are constants), and the inputs left."""
+    model = onnx.ModelProto()
+    model.CopyFrom(case.model)
+    initializers = {t.name for t in model.graph.initializer}
+    names = [i.name for i in model.graph.input if i.name not in initializers]
+    for name, value in list(zip(names, inputs))[1:]:
+        model.graph.initializer.append(numpy_helper.from_array(value, name))
+    return model, inputs[:1]
+
+
+def run_case(case, partitioners: list[str], freeze: bool = False) -> tuple[str, str]:
     model = case.model
     missing = op_types(model) - set(codegen.supported_ops())
     if missing:
@@ -49,6 +61,8 @@ def run_case(case, partitioners: list[str]) -> tuple[str, str]:
     names = [i.name for i in model.graph.input if i.name not in initializers]
     for inputs, expected in case.data_sets:
         inputs, expected = _arrays(inputs), _arrays(expected)
+        if freeze:
+            model, inputs = frozen(case, inputs)
         feeds = dict(zip(names, inputs))
         try:
             graph = frontend.build(model, {n: a.shape for n, a in feeds.items()}, case.name)
@@ -74,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--filter", default="")
     parser.add_argument("--partitioners", default="none,dnnfusion")
     parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument("--freeze", action="store_true",
+                        help="make every input but the first a constant")
     args = parser.parse_args(argv)
     partitioners = args.partitioners.split(",")
     counts: Counter = Counter()
@@ -81,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.filter not in case.name or case.kind != "node":
             continue
         try:
-            status, reason = run_case(case, partitioners)
+            status, reason = run_case(case, partitioners, args.freeze)
         except Exception:  # noqa: BLE001
             status, reason = "failed", traceback.format_exc().splitlines()[-1]
         counts[status] += 1

@@ -66,14 +66,14 @@ def run_kernels(plan: FusionPlan, kernels: Sequence[Kernel],
     """Run the kernels in plan order; `feeds` maps graph input tensor ids to arrays."""
     graph = plan.graph
     lib = compile_kernels(kernels)
-    values: dict[str, np.ndarray] = {t: np.ascontiguousarray(v, dtype=graph.tensors[t].dtype)
+    values: dict[str, np.ndarray] = {t: np.array(v, dtype=graph.tensors[t].dtype, order="C")
                                      for t, v in feeds.items()}
     for t in graph.tensors.values():
         if t.is_constant:
-            values[t.id] = np.ascontiguousarray(t.data)
+            values[t.id] = np.array(t.data, order="C")
     for kernel in kernels:
         for name, array in kernel.derived_constants.items():
-            values[name] = np.ascontiguousarray(array)
+            values[name] = np.array(array, order="C")
         for t in kernel.outputs:
             values[t] = _filled(graph.tensors[t].shape, graph.tensors[t].dtype)
         pointers = [values[a].ctypes.data for a in kernel.args]

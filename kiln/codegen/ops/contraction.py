@@ -242,3 +242,125 @@ def _gemm(ctx: StageCtx) -> None:
         return result
 
     contraction(ctx, Contraction((), m, n, k, (), (), a_at, b_at, out, finish, dtype))
+
+
+# --- Einsum ------------------------------------------------------------------------------------------
+def einsum_terms(equation: str, shapes: list[tuple[int, ...]]) -> tuple[list[str], str]:
+    """Operand and output subscripts with `...` replaced by private letters (one per broadcast
+    dim, right-aligned across operands); the implicit output is every letter used once, sorted."""
+    lhs, arrow, rhs = equation.replace(" ", "").partition("->")
+    terms = lhs.split(",")
+    widths = [len(s) - (len(t) - 3) if "..." in t else 0 for t, s in zip(terms, shapes)]
+    width = max(widths, default=0)
+    hidden = [chr(0x100 + i) for i in range(width)]
+    expanded = [t.replace("...", "".join(hidden[width - w:])) for t, w in zip(terms, widths)]
+    if arrow:
+        output = rhs.replace("...", "".join(hidden))
+    else:
+        counts = {ch: sum(t.count(ch) for t in expanded) for t in expanded for ch in t}
+        named = sorted(ch for ch, n in counts.items() if n == 1 and ch not in hidden)
+        output = "".join(hidden) + "".join(named)
+    return expanded, output
+
+
+def _einsum_check(op, graph) -> str | None:
+    shapes = [graph.tensors[t].shape for t in op.present_inputs()]
+    try:
+        terms, _ = einsum_terms(op.attrs["equation"], shapes)
+    except (KeyError, ValueError):
+        return "unreadable equation"
+    if any(len(t) != len(s) for t, s in zip(terms, shapes)):
+        return "equation does not match the operand ranks"
+    return None
+
+
+def _letter_sizes(terms: list[str], shapes: list[tuple[int, ...]]) -> dict[str, int]:
+    sizes: dict[str, int] = {}
+    for term, shape in zip(terms, shapes):
+        for letter, n in zip(term, shape):
+            sizes[letter] = max(sizes.get(letter, 1), n)
+    return sizes
+
+
+def _operand_index(term: str, shape: tuple[int, ...], values: dict[str, Expr]) -> Index:
+    return Index(shape, dims=[values[ch] if n > 1 else iconst(0) for ch, n in zip(term, shape)])
+
+
+@stage("Einsum", check=_einsum_check)
+def _einsum(ctx: StageCtx) -> None:
+    operands = list(range(len(ctx.op.inputs)))
+    shapes = [ctx.tensor(i).shape for i in operands]
+    terms, output = einsum_terms(ctx.attr("equation"), shapes)
+    sizes = _letter_sizes(terms, shapes)
+    if len(terms) == 2 and _matrix_form(ctx, terms, output, shapes, sizes):
+        return
+    _generic_einsum(ctx, terms, output, shapes, sizes)
+
+
+def _matrix_form(ctx: StageCtx, terms: list[str], output: str, shapes, sizes) -> bool:
+    a, b = terms
+    if len(set(a)) != len(a) or len(set(b)) != len(b) or len(set(output)) != len(output):
+        return False
+    if any(n != sizes[ch] for t, s in zip(terms, shapes) for ch, n in zip(t, s)):
+        return False  # broadcast size-1 dims: the generic nest handles them
+    if any(ch not in output and ch not in (b if ch in a else a) for ch in a + b):
+        return False  # a letter summed within one operand
+    batch = [ch for ch in output if ch in a and ch in b]
+    m_letters = [ch for ch in a if ch in output and ch not in b]
+    n_letters = [ch for ch in b if ch in output and ch not in a]
+    k_letters = [ch for ch in a if ch in b and ch not in output]
+    batch_shape = tuple(sizes[ch] for ch in batch)
+    m_shape, n_shape = tuple(sizes[ch] for ch in m_letters), tuple(sizes[ch] for ch in n_letters)
+    k_shape = tuple(sizes[ch] for ch in k_letters)
+    out_shape = ctx.out().shape
+
+    def letters(bi: Index, names, flat: Expr, shape) -> dict[str, Expr]:
+        values = dict(zip(batch, bi.dims))
+        values.update(zip(names, Index(shape, flat=flat).dims))
+        return values
+
+    def a_at(bi: Index, i: Expr, k: Expr) -> Expr:
+        values = letters(bi, m_letters, i, m_shape)
+        values.update(zip(k_letters, Index(k_shape, flat=k).dims))
+        return ctx.operand(0, _operand_index(a, shapes[0], values))
+
+    def b_at(bi: Index, k: Expr, j: Expr) -> Expr:
+        values = letters(bi, n_letters, j, n_shape)
+        values.update(zip(k_letters, Index(k_shape, flat=k).dims))
+        return ctx.operand(1, _operand_index(b, shapes[1], values))
+
+    def out(bf: Expr, i: Expr, j: Expr) -> Index:
+        values = letters(Index(batch_shape, flat=bf), m_letters, i, m_shape)
+        values.update(zip(n_letters, Index(n_shape, flat=j).dims))
+        return _operand_index(output, out_shape, values)
+
+    contraction(ctx, Contraction(batch_shape, math.prod(m_shape), math.prod(n_shape),
+                                 math.prod(k_shape), batch_shape, batch_shape, a_at, b_at, out,
+                                 _identity_finish, ctx.out().dtype))
+    return True
+
+
+def _generic_einsum(ctx: StageCtx, terms: list[str], output: str, shapes, sizes) -> None:
+    out = ctx.out()
+    if out.numel == 0:
+        return
+    summed = [ch for ch in dict.fromkeys("".join(terms)) if ch not in output]
+    p = ctx.var("p", out.numel)
+    values = dict(zip(output, Index(out.shape, flat=p).dims))
+    loops = [(ch, ctx.var("s", sizes[ch])) for ch in summed]
+    values.update(loops)
+    product = None
+    for i, (term, shape) in enumerate(zip(terms, shapes)):
+        v = ctx.operand(i, _operand_index(term, shape, values))
+        product = v if product is None else binary("mul", product, v)
+    total = acc(ctx.name("sum"), out.dtype)
+    body: list[ir.Stmt] = [ir.Assign(total, binary("add", total, product))]
+    for position, (ch, v) in enumerate(reversed(loops)):
+        inner = position == 0
+        body = [ir.Loop(v, iconst(0), iconst(sizes[ch]), body, simd=inner,
+                        reductions=(("+", total),) if inner else ())]
+    stmts = [ir.DeclAcc(total, const(0, out.dtype)), *body,
+             *ctx.results({0: (Index(out.shape, flat=p), total)})]
+    work = out.numel * math.prod(sizes[ch] for ch in summed)
+    ctx.stage(f"einsum ({ctx.op.id})", [ir.Loop(p, iconst(0), iconst(out.numel), stmts,
+                                                parallel=1)], work)

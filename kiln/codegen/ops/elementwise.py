@@ -200,7 +200,14 @@ def _cast(ctx: InlineCtx, index: Index) -> Expr:
     return cast(ctx.input(0, index), ctx.out.dtype)
 
 
-@inline("Identity")
+def _inference_dropout(op: Op, graph: Graph) -> str | None:
+    if op.op_type == "Dropout" and (op.attrs.get("training_mode_input") or len(op.outputs) > 1
+                                    or (len(op.inputs) > 2 and op.inputs[2] is not None)):
+        return "training mode"
+    return None
+
+
+@inline("Identity", "Dropout", check=_inference_dropout)
 def _identity(ctx: InlineCtx, index: Index) -> Expr:
     return ctx.input(0, index)
 

@@ -1,0 +1,272 @@
+"""Resize and Upsample: separable interpolation as index maps with compile-time tap tables.
+
+Scales and sizes are constants (otherwise the output shape would depend on run-time values), so
+every resized axis's source coordinates are known when compiling: for each output position along
+the axis, a few taps (input index, weight) are computed here in float64, following the ONNX
+definition (coordinate transformation modes, nearest rounding modes, linear and cubic kernels,
+exclude_outside, antialiasing, tf_crop_and_resize extrapolation). An output element is then
+Σ over tap combinations of Π weights · x[taps] — nearest mode is a pure gather with no arithmetic.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from kiln.codegen.expr import (
+    BOOL, FLOAT_TYPES, INDEX, Expr, add, binary, call, cast, const, load, logical_or, make, mul,
+    select)
+from kiln.codegen.indexing import Index
+from kiln.codegen.lower import InlineCtx
+from kiln.codegen.ops import inline
+from kiln.codegen.ops.movement import axis_of
+from kiln.ecg import Graph, Op
+
+MAX_TAP_PRODUCT = 4096
+
+
+@dataclass(frozen=True)
+class AxisTaps:
+    indices: np.ndarray  # (out, taps) int64
+    weights: np.ndarray  # (out, taps) float64
+    extrapolated: np.ndarray | None  # (out,) bool, tf_crop_and_resize only
+
+
+@dataclass(frozen=True)
+class ResizeSpec:
+    mode: str
+    coordinates: str
+    nearest: str
+    cubic_a: float
+    exclude_outside: bool
+    antialias: bool
+    extrapolation: float
+    scales: tuple[float, ...]
+    roi: tuple[float, ...] | None
+
+
+def _const(op: Op, graph: Graph, position: int) -> np.ndarray | None:
+    if position >= len(op.inputs) or op.inputs[position] is None:
+        return None
+    t = graph.tensors[op.inputs[position]]
+    return None if t.data is None else t.data
+
+
+def resize_spec(op: Op, graph: Graph) -> ResizeSpec:
+    in_shape = graph.tensors[op.inputs[0]].shape
+    out_shape = graph.tensors[op.outputs[0]].shape
+    rank = len(in_shape)
+    legacy = op.op_type == "Upsample" or (graph.opset and graph.opset < 11)
+    scales_at, roi_at, sizes_at = (1, None, None) if legacy else (2, 1, 3)
+    axes = [axis_of(a, rank) for a in (op.attrs.get("axes") or range(rank))]
+    given_scales = _const(op, graph, scales_at)
+    sizes = _const(op, graph, sizes_at) if sizes_at else None
+    scales = [1.0] * rank
+    if given_scales is not None and given_scales.size:
+        for a, s in zip(axes, given_scales.reshape(-1)):
+            scales[a] = float(s)
+    else:
+        ratios = [float(n) / in_shape[a] for a, n in zip(axes, sizes.reshape(-1))]
+        policy = op.attrs.get("keep_aspect_ratio_policy", "stretch")
+        if policy != "stretch":
+            common = min(ratios) if policy == "not_larger" else max(ratios)
+            ratios = [common] * len(axes)
+        for a, r in zip(axes, ratios):
+            scales[a] = r
+    roi = None
+    roi_data = _const(op, graph, roi_at) if roi_at else None
+    if roi_data is not None and roi_data.size:
+        full = [0.0] * rank + [1.0] * rank
+        values = [float(v) for v in roi_data.reshape(-1)]
+        k = len(values) // 2
+        for i, a in enumerate(axes if k == len(axes) else range(rank)):
+            full[a], full[rank + a] = values[i], values[k + i]
+        roi = tuple(full)
+    mode = op.attrs.get("mode", "nearest")
+    if legacy:
+        upsampling = all(o >= i for o, i in zip(out_shape, in_shape))
+        return ResizeSpec(mode, "asymmetric", "floor" if upsampling else "ceil", -0.75, False,
+                          False, 0.0, tuple(scales), None)
+    return ResizeSpec(mode, op.attrs.get("coordinate_transformation_mode", "half_pixel"),
+                      op.attrs.get("nearest_mode", "round_prefer_floor"),
+                      float(op.attrs.get("cubic_coeff_a", -0.75)),
+                      bool(op.attrs.get("exclude_outside", 0)), bool(op.attrs.get("antialias", 0)),
+                      float(op.attrs.get("extrapolation_value", 0.0)), tuple(scales), roi)
+
+
+# --- one axis --------------------------------------------------------------------------------------
+def _coefficients(spec: ResizeSpec, ratio: float, scale: float) -> np.ndarray:
+    if spec.mode == "nearest":
+        if float(ratio).is_integer():
+            return np.array([0.0, 1.0])
+        choose_upper = {"round_prefer_floor": ratio > 0.5, "round_prefer_ceil": ratio >= 0.5,
+                        "floor": False, "ceil": True}[spec.nearest]
+        return np.array([0.0, 1.0]) if choose_upper else np.array([1.0, 0.0])
+    if spec.mode == "linear":
+        if not spec.antialias:
+            return np.array([1 - ratio, ratio])
+        s = min(scale, 1.0)
+        start = int(np.floor(-1 / s) + 1)
+        args = (np.arange(start, 2 - start) - ratio) * s
+        coeffs = np.clip(1 - np.abs(args), 0, 1)
+        return coeffs / coeffs.sum()
+    a = spec.cubic_a
+    if not spec.antialias:
+        r = ratio
+        return np.array([((a * (r + 1) - 5 * a) * (r + 1) + 8 * a) * (r + 1) - 4 * a,
+                         ((a + 2) * r - (a + 3)) * r * r + 1,
+                         ((a + 2) * (1 - r) - (a + 3)) * (1 - r) * (1 - r) + 1,
+                         ((a * (2 - r) - 5 * a) * (2 - r) + 8 * a) * (2 - r) - 4 * a])
+    s = min(scale, 1.0)
+    start = int(np.floor(-2 / s) + 1)
+    x = np.abs(np.array([s * (i - ratio) for i in range(start, 2 - start)]))
+    coeffs = np.where(x <= 1, (a + 2) * x ** 3 - (a + 3) * x ** 2 + 1,
+                      np.where(x < 2, a * x ** 3 - 5 * a * x ** 2 + 8 * a * x - 4 * a, 0.0))
+    return coeffs / coeffs.sum()
+
+
+def _source_coordinates(spec: ResizeSpec, axis: int, rank: int, scale: float, in_len: int,
+                        out_len: int) -> tuple[np.ndarray, np.ndarray | None]:
+    y = np.arange(out_len, dtype=np.float64)
+    out_width = scale * in_len
+    mode = spec.coordinates
+    if mode == "align_corners":
+        return (np.zeros(out_len) if out_width == 1 else y * (in_len - 1) / (out_width - 1)), None
+    if mode == "asymmetric":
+        return y / scale, None
+    if mode == "tf_crop_and_resize":
+        roi = spec.roi or tuple([0.0] * rank + [1.0] * rank)
+        start, end = roi[axis], roi[rank + axis]
+        if out_width == 1:
+            x = np.full(out_len, (end - start) * (in_len - 1) / 2)
+        else:
+            x = y * (end - start) * (in_len - 1) / (out_width - 1)
+        x = x + start * (in_len - 1)
+        return x, (x < 0) | (x > in_len - 1)
+    if mode == "pytorch_half_pixel":
+        return (np.full(out_len, -0.5) if out_width == 1 else (y + 0.5) / scale - 0.5), None
+    if mode == "half_pixel":
+        return (y + 0.5) / scale - 0.5, None
+    if mode == "half_pixel_symmetric":
+        offset = in_len / 2 * (1 - out_len / out_width)
+        return offset + (y + 0.5) / scale - 0.5, None
+    raise ValueError(f"coordinate_transformation_mode {mode!r}")
+
+
+def axis_taps(spec: ResizeSpec, axis: int, rank: int, in_len: int, out_len: int) -> AxisTaps:
+    scale = spec.scales[axis]
+    x, extrapolated = _source_coordinates(spec, axis, rank, scale, in_len, out_len)
+    whole = np.floor(x)
+    ratios = np.where(x == whole, 1.0, x - whole)
+    coeffs = np.stack([_coefficients(spec, float(r), scale) for r in ratios])
+    n = coeffs.shape[1]
+    pad = int(math.ceil(n / 2))
+    padded = x + pad
+    p = np.floor(padded).astype(np.int64)
+    frac = padded - p
+    if n % 2 == 0:
+        offset = np.where(frac == 0, -(n // 2), -(n // 2) + 1)
+    else:
+        base = -((n - 1) // 2)
+        offset = np.where(frac <= 0.5, base, base + 1)
+    neighbours = (p + offset)[:, None] + np.arange(n)[None, :] - pad
+    if spec.exclude_outside:
+        coeffs = np.where((neighbours < 0) | (neighbours >= in_len), 0.0, coeffs)
+        total = coeffs.sum(axis=1, keepdims=True)
+        coeffs = coeffs / np.where(total == 0, 1.0, total)
+    return _compact(np.clip(neighbours, 0, in_len - 1), coeffs, extrapolated)
+
+
+def _compact(indices: np.ndarray, weights: np.ndarray, extrapolated) -> AxisTaps:
+    """Merge taps reading the same input element and drop zero-weight taps."""
+    rows = []
+    for idx, w in zip(indices, weights):
+        merged: dict[int, float] = {}
+        for i, c in zip(idx.tolist(), w.tolist()):
+            merged[i] = merged.get(i, 0.0) + c
+        rows.append([(i, c) for i, c in merged.items() if c != 0.0] or [(0, 0.0)])
+    taps = max(len(r) for r in rows)
+    out_idx = np.zeros((len(rows), taps), dtype=np.int64)
+    out_w = np.zeros((len(rows), taps), dtype=np.float64)
+    for k, r in enumerate(rows):
+        for t, (i, c) in enumerate(r):
+            out_idx[k, t], out_w[k, t] = i, c
+    return AxisTaps(out_idx, out_w, extrapolated)
+
+
+def _is_identity(spec: ResizeSpec, axis: int, rank: int, in_len: int, out_len: int) -> bool:
+    roi = spec.roi
+    trivial_roi = roi is None or (math.isclose(roi[axis], 0.0) and math.isclose(roi[rank + axis], 1.0))
+    return math.isclose(spec.scales[axis], 1.0) and in_len == out_len and trivial_roi
+
+
+def all_taps(op: Op, graph: Graph) -> tuple[ResizeSpec, dict[int, AxisTaps]]:
+    spec = resize_spec(op, graph)
+    in_shape = graph.tensors[op.inputs[0]].shape
+    out_shape = graph.tensors[op.outputs[0]].shape
+    rank = len(in_shape)
+    taps = {a: axis_taps(spec, a, rank, in_shape[a], out_shape[a]) for a in range(rank)
+            if out_shape[a] and not _is_identity(spec, a, rank, in_shape[a], out_shape[a])}
+    return spec, taps
+
+
+def _check(op: Op, graph: Graph) -> str | None:
+    legacy_inputs = op.op_type == "Upsample" or (graph.opset and graph.opset < 11)
+    for position in ((1,) if legacy_inputs else (1, 2, 3)):
+        if position < len(op.inputs) and op.inputs[position] is not None \
+                and not graph.is_constant(op.inputs[position]):
+            return f"input {position} must be a constant"
+    if op.attrs.get("mode", "nearest") not in ("nearest", "linear", "cubic"):
+        return "unknown mode"
+    _, taps = all_taps(op, graph)
+    if math.prod(t.indices.shape[1] for t in taps.values()) > MAX_TAP_PRODUCT:
+        return "too many interpolation taps"
+    return None
+
+
+@inline("Resize", "Upsample", check=_check)
+def _resize(ctx: InlineCtx, index: Index) -> Expr:
+    spec, taps = all_taps(ctx.op, ctx.graph)
+    in_shape, dtype = ctx.shape(0), ctx.out.dtype
+    exact = all(t.indices.shape[1] == 1 and np.all(t.weights == 1.0) for t in taps.values())
+    compute = dtype if dtype in FLOAT_TYPES else "float64"
+    tables = {a: (ctx.derived(t.indices), ctx.derived(t.weights.astype(compute)), t.indices.shape[1])
+              for a, t in taps.items()}
+    total: Expr | None = None
+    for combo in np.ndindex(*(n for _, _, n in tables.values())):
+        dims, weight = list(index.dims), None
+        for (a, (idx_table, w_table, n)), t in zip(tables.items(), combo):
+            slot = _table_slot(index.dims[a], n, t)
+            dims[a] = load(idx_table, INDEX, slot)
+            if not exact:
+                w = load(w_table, compute, slot)
+                weight = w if weight is None else binary("mul", weight, w)
+        value = ctx.input(0, Index(in_shape, dims=dims))
+        if not exact:
+            value = binary("mul", weight, cast(value, compute))
+        total = value if total is None else binary("add", total, value)
+    if not exact and dtype not in FLOAT_TYPES:
+        total = _saturate(call("nearbyint", compute, total), dtype)
+    flagged = [t for t in taps.values() if t.extrapolated is not None and t.extrapolated.any()]
+    if flagged:
+        outside = const(False, BOOL)
+        for a, t in taps.items():
+            if t.extrapolated is not None and t.extrapolated.any():
+                mask = ctx.derived(t.extrapolated.astype(np.uint8))
+                outside = logical_or(outside, make("ne", BOOL, (load(mask, "uint8", index.dims[a]),
+                                                                const(0, "uint8"))))
+        total = select(outside, const(spec.extrapolation, total.dtype), total)
+    return total
+
+
+def _table_slot(position: Expr, taps: int, t: int) -> Expr:
+    return add(mul(position, taps), t)
+
+
+def _saturate(value: Expr, dtype: str) -> Expr:
+    info = np.iinfo(np.dtype(dtype))
+    lo, hi = const(float(info.min), value.dtype), const(float(info.max), value.dtype)
+    value = select(make("lt", BOOL, (value, lo)), lo, value)
+    value = select(make("gt", BOOL, (value, hi)), hi, value)
+    return cast(value, dtype)

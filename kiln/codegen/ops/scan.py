@@ -1,0 +1,137 @@
+"""Ops that walk an axis in order: CumSum/CumProd (prefix scans) and TopK (selection).
+
+Both run one sequential walk per line along the axis, lines in parallel. TopK keeps the best k
+(value, index) pairs of a line in scratch, sorted, by passing each element down the list and
+swapping wherever it wins (ties go to the lower index, as in onnxruntime), which needs no
+data-dependent loop bounds and costs n·k comparisons per line.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from kiln.codegen import ir
+from kiln.codegen.expr import (
+    BOOL, FLOAT_TYPES, INDEX, Expr, acc, add, as_index, binary, const, iconst, load, local,
+    logical_and, logical_or, make, mul, select, sub)
+from kiln.codegen.indexing import Index
+from kiln.codegen.lower import StageCtx
+from kiln.codegen.ops import stage
+from kiln.codegen.ops.movement import axis_of, needs_const_inputs
+from kiln.ecg import Graph, Op
+
+
+def _lines(shape: tuple[int, ...], axis: int) -> tuple[int, int, int]:
+    return math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1:])
+
+
+def _at(shape: tuple[int, ...], axis: int, line: Expr, position: Expr) -> Index:
+    """Element `position` along `axis` of line `line` (lines enumerate the other dims)."""
+    outer, _, inner = _lines(shape, axis)
+    o, i = Index((outer, inner), flat=line).dims
+    return Index(shape, flat=add(mul(add(mul(o, shape[axis]), position), inner), i))
+
+
+@stage("CumSum", "CumProd")
+def _cumulative(ctx: StageCtx) -> None:
+    """A constant axis gives one loop nest; a run-time axis one nest per possible axis, chosen
+    by the axis value when the kernel runs."""
+    shape, out = ctx.tensor(0).shape, ctx.out()
+    if out.numel == 0:
+        return
+    rank = len(shape)
+    axis = ctx.const(1)
+    if axis is not None:
+        nest = _scan_nest(ctx, axis_of(int(axis.reshape(-1)[0]), rank))
+        ctx.stage(f"{ctx.op.op_type} ({ctx.op.id})", [nest], out.numel)
+        return
+    chosen = as_index(ctx.operand(1, Index(ctx.tensor(1).shape, flat=iconst(0))))
+    branches: list[ir.Stmt] = []
+    for a in range(rank):
+        nest = _scan_nest(ctx, a)
+        nest.parallel = int(out.numel >= ctx.schedule.parallel_min_work)
+        hit = logical_or(make("eq", BOOL, (chosen, iconst(a))),
+                         make("eq", BOOL, (chosen, iconst(a - rank))))
+        branches.append(ir.If(hit, [nest]))
+    ctx.stage(f"{ctx.op.op_type} ({ctx.op.id}), run-time axis", branches, out.numel)
+
+
+def _scan_nest(ctx: StageCtx, axis: int) -> ir.Loop:
+    shape, out = ctx.tensor(0).shape, ctx.out()
+    outer, n, inner = _lines(shape, axis)
+    line = ctx.var("l", outer * inner)
+    step = ctx.var("s", n)
+    position = sub(iconst(n - 1), step) if ctx.attr("reverse", 0) else step
+    index = _at(shape, axis, line, position)
+    op = "add" if ctx.op.op_type == "CumSum" else "mul"
+    running = acc(ctx.name("acc"), out.dtype)
+    before = local(ctx.name("before"), out.dtype)
+    body: list[ir.Stmt] = [ir.Let(before, running),
+                           ir.Assign(running, binary(op, running, ctx.operand(0, index)))]
+    value = before if ctx.attr("exclusive", 0) else running
+    body += ctx.results({0: (index, value)})
+    identity = const(0 if op == "add" else 1, out.dtype)
+    return ir.Loop(line, iconst(0), iconst(outer * inner),
+                   [ir.DeclAcc(running, identity), ir.Loop(step, iconst(0), iconst(n), body)],
+                   parallel=1)
+
+
+def _topk_check(op: Op, graph: Graph) -> str | None:
+    return needs_const_inputs(1)(op, graph)
+
+
+@stage("TopK", check=_topk_check)
+def _topk(ctx: StageCtx) -> None:
+    shape = ctx.tensor(0).shape
+    dtype = ctx.tensor(0).dtype
+    axis = axis_of(ctx.attr("axis", -1), len(shape))
+    k = int(ctx.const(1).reshape(-1)[0])
+    outer, n, inner = _lines(shape, axis)
+    lines = outer * inner
+    if lines * k == 0:
+        return
+    largest = ctx.attr("largest", 1)
+    values, indices = ctx.scratch(dtype, lines * k), ctx.scratch(INDEX, lines * k)
+    line = ctx.var("l", lines)
+    slot_var = ctx.var("k", k)
+    slot = add(mul(line, k), slot_var)
+    worst = _worst(dtype, largest)
+    init = ir.Loop(slot_var, iconst(0), iconst(k),
+                   [ir.Store(values, slot, worst), ir.Store(indices, slot, iconst(n))])
+    element = ctx.var("e", n)
+    carry_v, carry_i = acc(ctx.name("cv"), dtype), acc(ctx.name("ci"), INDEX)
+    take = [ir.DeclAcc(carry_v, ctx.operand(0, _at(shape, axis, line, element))),
+            ir.DeclAcc(carry_i, element)]
+    pos = ctx.var("k", k)
+    here = add(mul(line, k), pos)
+    held_v, held_i = local(ctx.name("hv"), dtype), local(ctx.name("hi"), INDEX)
+    wins = local(ctx.name("w"), BOOL)
+    better = make("gt" if largest else "lt", BOOL, (carry_v, held_v))
+    tie = logical_and(make("eq", BOOL, (carry_v, held_v)), make("lt", BOOL, (carry_i, held_i)))
+    swap = [ir.Let(held_v, load(values, dtype, here)), ir.Let(held_i, load(indices, INDEX, here)),
+            ir.Let(wins, logical_or(better, tie)),
+            ir.Store(values, here, select(wins, carry_v, held_v)),
+            ir.Store(indices, here, select(wins, carry_i, held_i)),
+            ir.Assign(carry_v, select(wins, held_v, carry_v)),
+            ir.Assign(carry_i, select(wins, held_i, carry_i))]
+    walk = ir.Loop(element, iconst(0), iconst(n),
+                   take + [ir.Loop(pos, iconst(0), iconst(k), swap)])
+    out_shape = ctx.out(0).shape
+    rank_var = ctx.var("k", k)
+    at = add(mul(line, k), rank_var)
+    out_index = _at(out_shape, axis, line, rank_var)
+    results: dict[int, tuple[Index, Expr]] = {0: (out_index, load(values, dtype, at)),
+                                               1: (out_index, load(indices, INDEX, at))}
+    emit = ir.Loop(rank_var, iconst(0), iconst(k), ctx.results(results))
+    ctx.stage(f"TopK ({ctx.op.id})", [ir.Loop(line, iconst(0), iconst(lines), [init, walk, emit],
+                                              parallel=1)], lines * n * k)
+
+
+def _worst(dtype: str, largest: int) -> Expr:
+    if dtype in FLOAT_TYPES:
+        return const(-math.inf if largest else math.inf, dtype)
+    info = np.iinfo(np.dtype(dtype)) if dtype != BOOL else None
+    if info is None:
+        return const(0 if largest else 1, dtype)
+    return const(info.min if largest else info.max, dtype)
