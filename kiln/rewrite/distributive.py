@@ -122,8 +122,10 @@ _dist("conv_scale_fold", Mul(Conv(X, Wc, Var("b", "param"), name="conv"), c), _c
 _dist("conv_add_bias", Add(Conv(X, Wc, Var("b", "param"), name="conv"), c), _conv_bias,
       guard=f.per_channel("c", "conv"), example={"family": "conv"},
       replacement_text="Conv(X, W, b + c)", note="a per-channel shift becomes the Conv's bias")
-_dist("matmul_neg_weight", MatMul(Neg(X), Wc), MatMul(X, Neg(Wc)))
-_dist("neg_matmul_weight", Neg(MatMul(X, Wc)), MatMul(X, Neg(Wc)))
+_dist("matmul_neg_weight", MatMul(Neg(X), Wc), MatMul(X, Neg(Wc)),
+      example={"family": "matmul_scale"})
+_dist("neg_matmul_weight", Neg(MatMul(X, Wc)), MatMul(X, Neg(Wc)),
+      example={"family": "matmul_scale"})
 _dist("mul_add_distribute", Mul(Add(X, c1), c2), Add(Mul(X, c2), Mul(c1, c2)), enabling=True,
       note="(X + c1)⊙c2 → X⊙c2 + c1⊙c2 where that lets the scale fold further")
 

@@ -47,7 +47,8 @@ _simp("recip_recip", Recip(Recip(X)), X, example={"domain": {"X": "away"}})
 _simp("identity", Identity(X), X, dtypes=None)
 _simp("idempotent_binary", one_of("Max", "Min", "And", "Or")(X, X), X, dtypes=None,
       note="max(x, x) = min(x, x) = x and x = x or x = x")
-_simp("where_same", op("Where")(Var("cond", "index"), X, X), X, dtypes=None)
+_simp("where_same", op("Where")(Var("cond", "index"), X, X), X, dtypes=None,
+      example={"family": "where"})
 for _fname in ("Abs", "Relu", "Ceil", "Floor", "Round", "Sign"):
     _f = op(_fname)
     _simp(f"{_fname.lower()}_idempotent", _f(_f(X)), _f(X), note=f"{_fname} of {_fname}")
@@ -97,7 +98,7 @@ _simp("neg_mul_outward", Mul(Neg(A), B), Neg(Mul(A, B)), enabling=True,
 # --- casts --------------------------------------------------------------------------------------------
 
 _simp("cast_identity", Cast(X, name="k"), X, dtypes=None,
-      guard=lambda m: m.dtype("X") == m.dtype("k"))
+      guard=lambda m: m.dtype("X") == m.dtype("k"), example={"family": "cast"})
 
 
 def _lossless_first(m) -> bool:
@@ -107,6 +108,7 @@ def _lossless_first(m) -> bool:
 _simp("cast_cast", Cast(Cast(X, name="k1"), name="k2"),
       lambda m: X if m.dtype("X") == m.dtype("k2") else Cast(X, like="k2"),
       guard=_lossless_first, dtypes=None, replacement_text="Cast(X) (or X)",
+      example={"family": "cast"},
       note="when the first cast is lossless, only the second matters")
 
 # --- data movement ------------------------------------------------------------------------------------
@@ -140,24 +142,26 @@ def _compose(m):
 
 _Transpose = op("Transpose")
 _simp("transpose_transpose", _Transpose(_Transpose(X, name="t1"), name="t2"), _compose,
-      dtypes=None, replacement_text="Transpose(X, perm1∘perm2) (or X)")
+      dtypes=None, replacement_text="Transpose(X, perm1∘perm2) (or X)",
+      example={"family": "transpose_chain"})
 _simp("transpose_identity", _Transpose(X, name="t"), X, dtypes=None,
-      guard=lambda m: list(m.op("t").attrs.get("perm") or []) == list(range(m.rank("X"))))
+      guard=lambda m: list(m.op("t").attrs.get("perm") or []) == list(range(m.rank("X"))),
+      example={"family": "transpose_chain"})
 _simp("reshape_chain", one_of(*REORGANIZE)(one_of(*REORGANIZE)(X, s1), s2), _reshape_to_out,
-      dtypes=None, replacement_text="Reshape(X, shape) (or X)",
+      dtypes=None, replacement_text="Reshape(X, shape) (or X)", example={"family": "reorganize"},
       note="two Reshape/Flatten/Squeeze/Unsqueeze in a row are one Reshape")
 _simp("reshape_identity", one_of(*REORGANIZE)(X, s), X, dtypes=None,
-      guard=lambda m: m.out.shape == m.shape("X"))
+      guard=lambda m: m.out.shape == m.shape("X"), example={"family": "reorganize"})
 _simp("expand_identity", Expand(X, s), X, dtypes=None,
-      guard=lambda m: m.out.shape == m.shape("X"))
+      guard=lambda m: m.out.shape == m.shape("X"), example={"family": "expand_same"})
 _simp("movement_pair_to_reshape", one_of(*MOVES)(one_of(*MOVES)(X, s1), s2), _reshape_to_out,
       guard=f.all_of(lambda m: any(o.op_type == "Transpose" for o in m.ops), _order_preserved),
-      dtypes=None, replacement_text="Reshape(X, shape) (or X)",
+      dtypes=None, replacement_text="Reshape(X, shape) (or X)", example={"family": "movement"},
       note="a Reshape/Transpose pair that keeps the element order (it cancels) is one Reshape")
 _simp("movement_triple_to_reshape",
       one_of(*MOVES)(one_of(*MOVES)(one_of(*MOVES)(X, s), s1), s2), _reshape_to_out,
       guard=f.all_of(lambda m: any(o.op_type == "Transpose" for o in m.ops), _order_preserved),
-      dtypes=None, replacement_text="Reshape(X, shape) (or X)",
+      dtypes=None, replacement_text="Reshape(X, shape) (or X)", example={"family": "movement"},
       note="e.g. split heads, transpose, transpose back and merge: one Reshape")
 
 
@@ -170,14 +174,16 @@ def _expand_subsumed(m) -> bool:
 _SYMMETRIC_BINARY = ("Add", "Mul", "Max", "Min", "And", "Or", "Xor", "Equal")
 _simp("expand_into_broadcast", one_of(*_SYMMETRIC_BINARY)(Expand(X, s), Var("Y"), name="e"),
       lambda m: op(m.op("e").op_type)(X, Var("Y"), like="e"), guard=_expand_subsumed,
-      dtypes=None, replacement_text="op(X, Y)",
+      dtypes=None, replacement_text="op(X, Y)", example={"family": "expand_broadcast"},
       note="an Expand feeding a broadcasting op is done by the broadcast")
 _simp("expand_into_broadcast_left", one_of("Sub", "Div", "Pow")(Expand(X, s), Var("Y"), name="e"),
       lambda m: op(m.op("e").op_type)(X, Var("Y"), like="e"), guard=_expand_subsumed,
-      dtypes=None, replacement_text="op(X, Y)", example={"domain": {"X": "pos", "Y": "away"}})
+      dtypes=None, replacement_text="op(X, Y)",
+      example={"family": "expand_broadcast", "domain": {"X": "pos", "Y": "away"}})
 _simp("expand_into_broadcast_right", one_of("Sub", "Div", "Pow")(Var("Y"), Expand(X, s), name="e"),
       lambda m: op(m.op("e").op_type)(Var("Y"), X, like="e"), guard=_expand_subsumed,
-      dtypes=None, replacement_text="op(Y, X)", example={"domain": {"X": "away", "Y": "pos"}})
+      dtypes=None, replacement_text="op(Y, X)",
+      example={"family": "expand_broadcast", "domain": {"X": "away", "Y": "pos"}})
 
 # --- clipping -----------------------------------------------------------------------------------------
 
@@ -204,13 +210,15 @@ def _scalar_like(m, name: str, value: float) -> np.ndarray:
 _simp("clip_clip", Clip(Clip(X, _LO, _HI), _LO2, _HI2),
       Clip(X, K(lambda m: _scalar_like(m, "lo", max(m.scalar("lo"), m.scalar("lo2"))), "max(lo)"),
            K(lambda m: _scalar_like(m, "hi", min(m.scalar("hi"), m.scalar("hi2"))), "min(hi)")),
-      guard=_clip_clip_ok, note="nested ranges intersect")
+      guard=_clip_clip_ok, example={"family": "clip"}, note="nested ranges intersect")
 _simp("relu_clip", Relu(Clip(X, _LO, _HI)),
       Clip(X, K(lambda m: _scalar_like(m, "lo", max(m.scalar("lo"), 0.0)), "max(lo, 0)"), _HI),
-      guard=lambda m: (b := _bounds(m, "lo", "hi")) is not None and max(b[0], 0.0) <= b[1])
+      guard=lambda m: (b := _bounds(m, "lo", "hi")) is not None and max(b[0], 0.0) <= b[1],
+      example={"family": "clip"})
 _simp("clip_relu", Clip(Relu(X), _LO, _HI),
       Clip(X, K(lambda m: _scalar_like(m, "lo", max(m.scalar("lo"), 0.0)), "max(lo, 0)"), _HI),
-      guard=lambda m: (b := _bounds(m, "lo", "hi")) is not None and max(b[0], 0.0) <= b[1])
+      guard=lambda m: (b := _bounds(m, "lo", "hi")) is not None and max(b[0], 0.0) <= b[1],
+      example={"family": "clip"})
 
 # --- folding into Conv / Gemm ---------------------------------------------------------------------
 # BatchNormalization(y) = (y − mean)·scale/√(var + ε) + bias: a per-channel affine map.
