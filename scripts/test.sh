@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Installs what the test suite needs on a fresh Debian machine (Python packages, the aarch64 cross
-# compiler and qemu-user), then runs it. Extra arguments go to pytest.
+# compiler, qemu-user and openssh-server), then runs it. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 missing=()
 command -v aarch64-linux-gnu-gcc >/dev/null || missing+=(gcc-aarch64-linux-gnu libc6-dev-arm64-cross)
 command -v qemu-aarch64 >/dev/null || missing+=(qemu-user)
+[ -x /usr/sbin/sshd ] || missing+=(openssh-server)  # the ssh backend's tests start a real sshd
 if [ ${#missing[@]} -gt 0 ]; then
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
