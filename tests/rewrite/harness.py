@@ -421,3 +421,41 @@ def _same_annotation(a: Op, b: Op) -> bool:
 
 
 Family = Callable[[Any, Rule, bool], Plan]
+
+
+# --- graphs by hand -----------------------------------------------------------------------------
+
+class G:
+    """A small ECG written op by op: `x = g.input((2, 3)); y = g.op("Mul", x, g.const(2.0))`."""
+
+    def __init__(self):
+        self.tensors: dict[str, Tensor] = {}
+        self.ops: list[Op] = []
+        self.inputs: list[str] = []
+
+    def _id(self) -> str:
+        return f"t{len(self.tensors)}"
+
+    def input(self, shape, dtype: str = "float32") -> str:
+        tid = self._id()
+        self.tensors[tid] = Tensor(tid, tuple(shape), dtype, f"in{len(self.inputs)}")
+        self.inputs.append(tid)
+        return tid
+
+    def const(self, value, dtype: str = "float32") -> str:
+        data = np.asarray(value, dtype=dtype)
+        tid = self._id()
+        self.tensors[tid] = Tensor(tid, data.shape, data.dtype.name, "", data)
+        return tid
+
+    def op(self, op_type: str, *inputs: str | None, **attrs) -> str:
+        infos = [None if t is None else self.tensors[t] for t in inputs]
+        shape, dtype = shapes.infer(op_type, infos, attrs)
+        tid = self._id()
+        self.tensors[tid] = Tensor(tid, shape, dtype)
+        self.ops.append(Op(f"op{len(self.ops)}", op_type, tuple(inputs), (tid,), attrs))
+        return tid
+
+    def graph(self, *outputs: str) -> Graph:
+        draft = Graph(self.tensors, self.ops, self.inputs, outputs, 21, "handmade")
+        return draft.with_ops([annotate(op, draft) for op in self.ops])
