@@ -105,6 +105,8 @@ def run_job(settings: Settings, db: Database, job_id: str, worker: str) -> str:
     if claim is None:
         return "skipped"
     storage = Storage(settings.storage_root)
+    for leftover in storage.tmp.glob(f"build-{job_id}-*"):  # from a run whose worker died
+        shutil.rmtree(leftover, ignore_errors=True)
     build_dir = storage.temp_dir(f"build-{job_id}-{claim.attempt}-")
     clock = StageClock()
     beat = Heartbeat(db, claim, settings.heartbeat_seconds)

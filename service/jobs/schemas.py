@@ -73,6 +73,7 @@ class JobOut(BaseModel):
     stage_seconds: dict[str, float] = Field(description="seconds per finished stage")
     error: str | None = Field(description="why the job failed (the compiler's message)")
     attempts: int = Field(description="runs started (more than one after a lost worker)")
+    worker: str | None = Field(description="the worker running it or that ran it last")
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
