@@ -29,7 +29,7 @@ from onnx.backend.test.case import node as node_cases
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kiln import codegen, frontend
-from kiln.errors import KilnError
+from kiln.errors import KilnError, ShapeError
 from kiln.pipeline import CompileOptions, compile_artifact
 from kiln.profile.local import default_store
 from kiln.profile.machine import cache_dir
@@ -39,6 +39,7 @@ from kiln.runtime.loader import CompiledModel
 
 SHIPPED_NODE_TESTS = Path(onnx.__file__).parent / "backend" / "test" / "data" / "node"
 NOT_TENSORS = "NOT_TENSORS"  # marks a test whose inputs or outputs are sequences, maps, optionals
+FROZEN = "integer inputs frozen"  # a pass with shape-giving inputs compiled in as constants
 MARK = "OUTCOME "  # prefix of the lines a worker reports outcomes on
 
 
@@ -47,7 +48,8 @@ class Outcome:
     test: str
     partitioner: str
     status: str  # "passed", "failed" or "unsupported"
-    reason: str = ""
+    reason: str = ""  # unsupported: "ops: …" (not in supported_ops), "values: …" (not tensors),
+    # or "refused: …" (the frontend or check_supported refused the model, e.g. run-time shapes)
 
 
 def node_tests_dir() -> Path:
@@ -109,9 +111,10 @@ def run_test(test_dir: Path, partitioners: tuple[str, ...], work: Path) -> list[
     model = onnx.load(str(test_dir / "model.onnx"), load_external_data=False)
     missing = op_types(model) - set(codegen.supported_ops())
     if missing:
-        return [Outcome(name, p, "unsupported", ", ".join(sorted(missing))) for p in partitioners]
+        return [Outcome(name, p, "unsupported", "ops: " + ", ".join(sorted(missing)))
+                for p in partitioners]
     if (test_dir / NOT_TENSORS).exists():
-        return [Outcome(name, p, "unsupported", "sequence, map or optional values")
+        return [Outcome(name, p, "unsupported", "values: sequences, maps or optionals")
                 for p in partitioners]
     data_sets = [(read_tensors(d, "input"), read_tensors(d, "output"))
                  for d in sorted(test_dir.glob("test_data_set_*"))]
@@ -121,24 +124,24 @@ def run_test(test_dir: Path, partitioners: tuple[str, ...], work: Path) -> list[
 def _run_with(test_dir: Path, model: onnx.ModelProto, data_sets, partitioner: str,
               work: Path) -> Outcome:
     name = test_dir.name
-    graph_inputs = [i.name for i in model.graph.input
-                    if i.name not in {t.name for t in model.graph.initializer}]
     failures = []
+    frozen = False
     for index, (inputs, expected) in enumerate(data_sets):
-        shapes = {n: a.shape for n, a in zip(graph_inputs, inputs)}
         try:
-            graph = frontend.load(test_dir / "model.onnx", shapes)
-            codegen.check_supported(graph)
+            path, feeds = _compilable(test_dir, model, inputs, work / f"{name}-{index}.onnx")
         except KilnError as exc:
-            return Outcome(name, partitioner, "unsupported", _first_line(exc))
+            return Outcome(name, partitioner, "unsupported", f"refused: {_first_line(exc)}")
+        frozen |= len(feeds) < len(inputs)
         out = work / f"{name}-{partitioner}-{index}.kiln"
+        shapes = {n: a.shape for n, a in feeds.items()}
         try:
-            compile_artifact(test_dir / "model.onnx", out, CompileOptions(partitioner, shapes),
+            compile_artifact(path, out, CompileOptions(partitioner, shapes),
                              default_store(":memory:"))
-            model_run = CompiledModel(open_artifact(out, work / "extracted"), threads=1)
-            got = model_run.run(*inputs)
+            got = CompiledModel(open_artifact(out, work / "extracted"), threads=1).run(**feeds)
         except KilnError as exc:
             return Outcome(name, partitioner, "failed", _first_line(exc))
+        if len(got) != len(expected):
+            failures.append(f"set {index}: {len(got)} outputs, expected {len(expected)}")
         for position, (array, want) in enumerate(zip(got, expected)):
             row = compare(f"output {position}", array, want)
             if not row["ok"]:
@@ -146,7 +149,37 @@ def _run_with(test_dir: Path, model: onnx.ModelProto, data_sets, partitioner: st
                                 f"max|ref| {row['max_ref']:.3g} {row['note']}".strip())
     if failures:
         return Outcome(name, partitioner, "failed", "; ".join(failures[:2]))
-    return Outcome(name, partitioner, "passed")
+    return Outcome(name, partitioner, "passed", FROZEN if frozen else "")
+
+
+def _compilable(test_dir: Path, model: onnx.ModelProto, inputs: list[np.ndarray],
+                frozen_path: Path) -> tuple[Path, dict[str, np.ndarray]]:
+    """The model Kiln can compile for these inputs, and its inputs by name.
+
+    Kiln compiles for static shapes. When an output's shape depends on an input's values (axes,
+    shapes, pads given as inputs), the integer inputs become constants holding the test's values.
+    """
+    initializers = {t.name for t in model.graph.initializer}
+    names = [i.name for i in model.graph.input if i.name not in initializers]
+    feeds = dict(zip(names, inputs))
+    path = test_dir / "model.onnx"
+    try:
+        codegen.check_supported(frontend.load(path, {n: a.shape for n, a in feeds.items()}))
+        return path, feeds
+    except ShapeError as exc:
+        if "run-time values" not in str(exc):
+            raise
+    fixed = {n: a for n, a in feeds.items() if a.dtype.kind in "iu"}
+    specialized = onnx.ModelProto()
+    specialized.CopyFrom(model)
+    kept = [i for i in specialized.graph.input if i.name not in fixed]
+    del specialized.graph.input[:]
+    specialized.graph.input.extend(kept)
+    specialized.graph.initializer.extend(numpy_helper.from_array(a, n) for n, a in fixed.items())
+    onnx.save(specialized, str(frozen_path))
+    feeds = {n: a for n, a in feeds.items() if n not in fixed}
+    codegen.check_supported(frontend.load(frozen_path, {n: a.shape for n, a in feeds.items()}))
+    return frozen_path, feeds
 
 
 def _first_line(exc: Exception) -> str:
@@ -214,8 +247,12 @@ def report(outcomes: list[Outcome], partitioners: tuple[str, ...], verbose: bool
     print(f"ONNX backend node tests from {node_tests_dir()} (onnx {onnx.__version__})")
     for p in partitioners:
         counts = Counter(o.status for o in outcomes if o.partitioner == p)
-        print(f"partitioner {p:10s} passed {counts['passed']:4d}  failed {counts['failed']:4d}  "
-              f"unsupported {counts['unsupported']:4d}")
+        mine = [o for o in outcomes if o.partitioner == p]
+        why = Counter(o.reason.split(":")[0] for o in mine if o.status == "unsupported")
+        frozen = sum(o.status == "passed" and o.reason == FROZEN for o in mine)
+        print(f"partitioner {p:10s} passed {counts['passed']:4d} ({frozen} with {FROZEN})  "
+              f"failed {counts['failed']:4d}  unsupported {counts['unsupported']:4d} ("
+              + ", ".join(f"{kind} {n}" for kind, n in sorted(why.items())) + ")")
     for o in outcomes:
         if o.status == "failed" or (verbose and o.status == "unsupported"):
             print(f"  {o.status.upper():11s} [{o.partitioner}] {o.test}: {o.reason}")
