@@ -61,9 +61,20 @@ class Channel(filesystem.Channel):
 
 
 class Transport(filesystem.Transport):
+    """One broker state (declared bindings) per broker folder, not one per process.
+
+    kombu skips writing a binding it has seen declared; with a process-wide state, a second
+    folder used by the same process would get no binding files and lose its messages.
+    """
+
     Channel = Channel
-    global_state = virtual.BrokerState()
     driver_type = driver_name = SCHEME
+    _states: dict[str, virtual.BrokerState] = {}
+
+    def __init__(self, client, **kwargs):
+        super().__init__(client, **kwargs)
+        folder = str(client.transport_options.get("control_folder", "control"))
+        self.state = self._states.setdefault(folder, virtual.BrokerState())
 
 
 def register() -> None:

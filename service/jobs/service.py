@@ -30,7 +30,7 @@ def check_shapes(inputs: list[dict[str, Any]], shapes: dict[str, list[int]]) -> 
         symbolic = [d for d in info["shape"] if not isinstance(d, int) or d <= 0]
         if symbolic and info["name"] not in shapes:
             raise APIError(422, "Unprocessable Content", f"input {info['name']!r} has symbolic "
-                           f"dimension(s) {', '.join(map(str, symbolic))}: give its shape in "
+                           f"dimension(s) {', '.join(map(repr, symbolic))}: give its shape in "
                            f"`shapes`")
 
 

@@ -50,7 +50,8 @@ def clean_filename(name: str | None) -> str:
 async def receive(chunks: AsyncIterator[bytes], storage: Storage, limit: int,
                   filename: str | None) -> Upload:
     folder = storage.temp_dir("upload-")
-    path = folder / "model.onnx"
+    filename = clean_filename(filename)
+    path = folder / filename  # so that the frontend's messages name the user's file
     digest, size = hashlib.sha256(), 0
     try:
         with path.open("wb") as out:
@@ -66,7 +67,7 @@ async def receive(chunks: AsyncIterator[bytes], storage: Storage, limit: int,
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
         raise
-    return Upload(folder, path, digest.hexdigest(), size, clean_filename(filename))
+    return Upload(folder, path, digest.hexdigest(), size, filename)
 
 
 def inspect(path: Path) -> tuple[int, list[dict[str, Any]]]:

@@ -1,0 +1,102 @@
+"""Fixtures of the service tests: an in-process app on a fresh SQLite (or PostgreSQL) database."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from fastapi.testclient import TestClient
+from onnx import TensorProto, helper, numpy_helper
+
+from service.app import create_app
+from service.db import database
+from service.migrate import upgrade
+from service.settings import Settings
+from service.tenants.service import create_key, create_tenant
+from tests.service.stack import create_database, drop_database, postgres_available
+
+
+class RecordingDispatcher:
+    """Stands in for the broker in API tests: remembers what would have been queued."""
+
+    def __init__(self):
+        self.enqueued: list[str] = []
+        self.revoked: list[str] = []
+        self.fail = False
+
+    def enqueue(self, job_id: str) -> None:
+        if self.fail:
+            raise ConnectionError("broker down")
+        self.enqueued.append(job_id)
+
+    def revoke(self, job_id: str) -> None:
+        self.revoked.append(job_id)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database_url(request, tmp_path):
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'kiln.sqlite'}"
+        return
+    if not postgres_available():
+        pytest.skip("PostgreSQL on 127.0.0.1:5432 is needed")
+    url = create_database()
+    try:
+        yield url
+    finally:
+        from service.db import _databases
+
+        db = _databases.pop(url, None)
+        if db is not None:
+            db.dispose()
+        drop_database(url)
+
+
+@pytest.fixture
+def settings(tmp_path) -> Settings:
+    return Settings(data_dir=tmp_path / "data", max_upload_bytes=1 << 20)
+
+
+@pytest.fixture
+def api(settings):
+    """(TestClient, settings, dispatcher, keys by tenant) on a fresh SQLite database."""
+    upgrade(settings.database_url)
+    db = database(settings.database_url)
+    keys = {}
+    for name in ("acme", "globex"):
+        create_tenant(db, name)
+        keys[name] = create_key(db, name)
+    app = create_app(settings)
+    app.state.dispatcher = RecordingDispatcher()
+    with TestClient(app, raise_server_exceptions=False) as client:
+        client.headers["Authorization"] = f"Bearer {keys['acme']}"
+        yield client, settings, app.state.dispatcher, keys
+
+
+def save(model: onnx.ModelProto, path: Path) -> Path:
+    onnx.save(model, str(path))
+    return path
+
+
+def add_model(op_type: str = "Relu", symbolic: bool = False) -> onnx.ModelProto:
+    dims = ["batch", 4] if symbolic else [2, 4]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, dims)
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, dims)
+    node = helper.make_node(op_type, ["x"], ["y"], name="n0")
+    graph = helper.make_graph([node], "g", [x], [y])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 14)])
+
+
+def external_data_model(location: str) -> onnx.ModelProto:
+    """x + w, with w's bytes in an external file at `location`."""
+    w = numpy_helper.from_array(np.ones((2, 4), np.float32), "w")
+    w.ClearField("raw_data")
+    w.data_location = TensorProto.EXTERNAL
+    for key, value in (("location", location), ("offset", "0"), ("length", "32")):
+        entry = w.external_data.add()
+        entry.key, entry.value = key, value
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])
+    graph = helper.make_graph([helper.make_node("Add", ["x", "w"], ["y"])], "g", [x], [y], [w])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 14)])
