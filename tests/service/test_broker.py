@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from queue import Empty
 
 from kombu import Connection
@@ -23,14 +24,16 @@ def test_competing_consumers_get_each_message_once(tmp_path):
     received: list[int] = []
     lock = threading.Lock()
 
+    deadline = time.monotonic() + 60
+
     def consume():
         with connection(tmp_path) as conn:
             q = conn.SimpleQueue("jobs")
-            while True:
+            while len(received) < 300 and time.monotonic() < deadline:
                 try:
                     message = q.get(timeout=0.5)
                 except Empty:
-                    break
+                    continue
                 with lock:
                     received.append(message.payload["n"])
                 message.ack()
@@ -55,7 +58,7 @@ def test_half_written_messages_are_not_delivered(tmp_path):
         except Empty:
             pass
         q.put({"n": 1})
-        assert q.get(timeout=1).payload == {"n": 1}
+        assert q.get(timeout=10).payload == {"n": 1}
         q.close()
 
 
@@ -64,5 +67,5 @@ def test_two_broker_folders_in_one_process(tmp_path):
         with connection(tmp_path / str(i)) as conn:
             q = conn.SimpleQueue("jobs")
             q.put({"n": i})
-            assert q.get(timeout=1).payload == {"n": i}
+            assert q.get(timeout=10).payload == {"n": i}
             q.close()
