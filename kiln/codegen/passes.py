@@ -20,6 +20,7 @@ MAX_SPLITS_PER_LOOP = 8
 
 def finish_stage(body: list[ir.Stmt], work: int, schedule: Schedule,
                  names: Callable[[str], str]) -> None:
+    body[:] = drop_unit_loops(body)
     if schedule.split_loops:
         for stmt in list(ir.iter_stmts(body)):
             if isinstance(stmt, ir.Loop) and _innermost(stmt):
@@ -30,6 +31,22 @@ def finish_stage(body: list[ir.Stmt], work: int, schedule: Schedule,
                 stmt.parallel = 0
             else:
                 stmt.parallel = _collapse_depth(stmt, schedule.parallel_min_iterations)
+
+
+def drop_unit_loops(body: list[ir.Stmt]) -> list[ir.Stmt]:
+    """Replace loops that run exactly once by their body with the variable fixed."""
+    result: list[ir.Stmt] = []
+    for stmt in body:
+        for block in ir.children(stmt):
+            block[:] = drop_unit_loops(block)
+        if isinstance(stmt, ir.Loop) and stmt.static_extent == 1:
+            memo: dict = {}
+            mapping = {stmt.var: stmt.start}
+            ir.map_exprs(stmt.body, lambda e: substitute(e, mapping, memo))
+            result.extend(stmt.body)
+        else:
+            result.append(stmt)
+    return result
 
 
 def _innermost(loop: ir.Loop) -> bool:

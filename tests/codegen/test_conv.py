@@ -1,0 +1,124 @@
+"""Convolutions and pooling with random attributes (1-D/2-D/3-D, groups, strides, dilations,
+pads, auto_pad), fused Pad/bias/activation/residual, against onnxruntime."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+from onnx import helper
+
+from tests.codegen.harness import check_model, model, random_inputs
+
+
+@st.composite
+def conv_cases(draw):
+    rank = draw(st.sampled_from([1, 2, 2, 3]))
+    group = draw(st.sampled_from([1, 1, 2]))
+    cin = group * draw(st.integers(1, 3))
+    cout = group * draw(st.integers(1, 3))
+    kernel = [draw(st.integers(1, 3)) for _ in range(rank)]
+    strides = [draw(st.integers(1, 2)) for _ in range(rank)]
+    dilations = [draw(st.integers(1, 2)) for _ in range(rank)]
+    spatial = [draw(st.integers(max(1, (k - 1) * d + 1), 9)) for k, d in zip(kernel, dilations)]
+    auto_pad = draw(st.sampled_from(["NOTSET", "NOTSET", "SAME_UPPER", "SAME_LOWER", "VALID"]))
+    attrs = dict(kernel_shape=kernel, strides=strides, group=group, auto_pad=auto_pad)
+    if auto_pad == "NOTSET":
+        attrs["pads"] = [draw(st.integers(0, 2)) for _ in range(2 * rank)]
+        attrs["dilations"] = dilations
+    return (1 + draw(st.integers(0, 1)), cin, *spatial), (cout, cin // group, *kernel), attrs
+
+
+@settings(max_examples=15, deadline=None)
+@given(conv_cases(), st.booleans())
+def test_conv_attributes(case, bias):
+    x_shape, w_shape, attrs = case
+    rng = np.random.default_rng(0)
+    inits = {"w": rng.standard_normal(w_shape).astype(np.float32)}
+    inputs = ["x", "w"]
+    if bias:
+        inits["b"] = rng.standard_normal(w_shape[0]).astype(np.float32)
+        inputs.append("b")
+    spec = {"x": (x_shape, "float32")}
+    nodes = [helper.make_node("Conv", inputs, ["y"], **attrs), helper.make_node("Relu", ["y"], ["z"])]
+    check_model(model(nodes, spec, ["z"], inits), random_inputs(spec))
+
+
+def test_depthwise_pointwise_residual_block():
+    """MobileNet-style: pointwise expand, depthwise 3x3 stride 1, Clip, pointwise project, add."""
+    rng = np.random.default_rng(1)
+    spec = {"x": ((1, 8, 10, 10), "float32")}
+    inits = {"w1": rng.standard_normal((16, 8, 1, 1)).astype(np.float32),
+             "w2": rng.standard_normal((16, 1, 3, 3)).astype(np.float32),
+             "w3": rng.standard_normal((8, 16, 1, 1)).astype(np.float32),
+             "b": rng.standard_normal(16).astype(np.float32),
+             "lo": np.array(0, np.float32), "hi": np.array(6, np.float32)}
+    nodes = [helper.make_node("Conv", ["x", "w1", "b"], ["e"], kernel_shape=[1, 1]),
+             helper.make_node("Clip", ["e", "lo", "hi"], ["ec"]),
+             helper.make_node("Conv", ["ec", "w2"], ["d"], kernel_shape=[3, 3], pads=[1, 1, 1, 1],
+                              group=16),
+             helper.make_node("Clip", ["d", "lo", "hi"], ["dc"]),
+             helper.make_node("Conv", ["dc", "w3"], ["p"], kernel_shape=[1, 1]),
+             helper.make_node("Add", ["p", "x"], ["y"])]
+    check_model(model(nodes, spec, ["y"], inits), random_inputs(spec))
+
+
+def test_pad_folded_into_conv_and_swish():
+    rng = np.random.default_rng(2)
+    spec = {"x": ((1, 4, 9, 9), "float32")}
+    inits = {"w": rng.standard_normal((6, 4, 3, 3)).astype(np.float32),
+             "pads": np.array([0, 0, 0, 1, 0, 0, 1, 0], np.int64)}
+    nodes = [helper.make_node("Pad", ["x", "pads"], ["xp"]),
+             helper.make_node("Conv", ["xp", "w"], ["c"], kernel_shape=[3, 3], strides=[2, 2]),
+             helper.make_node("Sigmoid", ["c"], ["s"]),
+             helper.make_node("Mul", ["c", "s"], ["y"])]
+    check_model(model(nodes, spec, ["y"], inits), random_inputs(spec))
+
+
+@pytest.mark.parametrize("attrs", [
+    dict(kernel_shape=[3, 3], strides=[2, 2]),
+    dict(kernel_shape=[3, 2], pads=[1, 0, 0, 1], strides=[2, 1], output_padding=[1, 0]),
+    dict(kernel_shape=[2, 2], strides=[2, 2], group=2, dilations=[1, 2]),
+    dict(kernel_shape=[3, 3], strides=[2, 2], auto_pad="SAME_UPPER"),
+])
+def test_conv_transpose(attrs):
+    rng = np.random.default_rng(3)
+    group = attrs.get("group", 1)
+    spec = {"x": ((1, 4, 4, 5), "float32")}
+    inits = {"w": rng.standard_normal((4, 6 // group, *attrs["kernel_shape"])).astype(np.float32),
+             "b": rng.standard_normal(6).astype(np.float32)}
+    nodes = [helper.make_node("ConvTranspose", ["x", "w", "b"], ["y"], **attrs)]
+    check_model(model(nodes, spec, ["y"], inits), random_inputs(spec))
+
+
+@pytest.mark.parametrize("op,attrs", [
+    ("MaxPool", dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])),
+    ("MaxPool", dict(kernel_shape=[2, 3], strides=[2, 2], ceil_mode=1, dilations=[2, 1])),
+    ("AveragePool", dict(kernel_shape=[3, 3], pads=[1, 1, 1, 1], count_include_pad=1)),
+    ("AveragePool", dict(kernel_shape=[3, 3], pads=[1, 1, 1, 1], strides=[2, 2], ceil_mode=1)),
+    ("AveragePool", dict(kernel_shape=[2, 2], auto_pad="SAME_UPPER")),
+    ("LpPool", dict(kernel_shape=[2, 2], p=3)),
+])
+def test_pools(op, attrs):
+    spec = {"x": ((2, 3, 7, 6), "float32")}
+    check_model(model([helper.make_node(op, ["x"], ["y"], **attrs)], spec, ["y"], opset=19),
+                random_inputs(spec))
+
+
+def test_maxpool_indices():
+    spec = {"x": ((1, 2, 5, 5), "float32")}
+    nodes = [helper.make_node("MaxPool", ["x"], ["y", "i"], kernel_shape=[2, 2], strides=[2, 2],
+                              ceil_mode=1)]
+    check_model(model(nodes, spec, ["y", "i"]), random_inputs(spec))
+
+
+def test_global_pools_and_flatten_gemm_head():
+    rng = np.random.default_rng(4)
+    spec = {"x": ((2, 8, 5, 5), "float32")}
+    inits = {"w": rng.standard_normal((10, 8)).astype(np.float32),
+             "b": rng.standard_normal(10).astype(np.float32)}
+    nodes = [helper.make_node("GlobalAveragePool", ["x"], ["g"]),
+             helper.make_node("GlobalMaxPool", ["x"], ["gm"]),
+             helper.make_node("Add", ["g", "gm"], ["s"]),
+             helper.make_node("Flatten", ["s"], ["f"]),
+             helper.make_node("Gemm", ["f", "w", "b"], ["y"], transB=1)]
+    check_model(model(nodes, spec, ["y"], inits), random_inputs(spec))

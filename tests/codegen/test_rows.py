@@ -1,0 +1,131 @@
+"""Reductions and normalisations: row stages, two-phase reductions with broadcast epilogues, and
+"row blocks" with several reductions over the same rows (hand-made plans)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import helper
+
+from kiln import frontend
+from kiln.codegen import generate
+from kiln.plan.blocks import build_plan
+from kiln.target import host_target
+from tests.codegen.harness import assert_matches, check_model, model, random_inputs, reference, run_kernels
+
+REDUCE = ["ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2",
+          "ReduceLogSum", "ReduceLogSumExp", "ReduceSumSquare"]
+
+
+@pytest.mark.parametrize("axes,keepdims", [([-1], 1), ([1], 0), ([0, 2], 1), ([], 1)])
+def test_reductions(axes, keepdims):
+    spec = {"x": ((3, 4, 5), "float32")}
+    x = np.abs(random_inputs(spec)["x"]) + 0.1
+    inits = {"axes": np.array(axes, np.int64)}
+    nodes = [helper.make_node(op, ["x", "axes"], [f"y{i}"], keepdims=keepdims)
+             for i, op in enumerate(REDUCE)]
+    outputs = [f"y{i}" for i in range(len(REDUCE))]
+    check_model(model(nodes, spec, outputs, inits, opset=18), {"x": x}, ["none", "dnnfusion"])
+
+
+def test_integer_reductions_and_arg_ops():
+    spec = {"x": ((4, 6), "int32"), "f": ((4, 6), "float32")}
+    inputs = random_inputs(spec)
+    inputs["f"][1, 2] = inputs["f"][1, 4] = 9.0  # a tie
+    inits = {"axes": np.array([1], np.int64)}
+    nodes = [helper.make_node("ReduceSum", ["x", "axes"], ["s"]),
+             helper.make_node("ReduceMax", ["x", "axes"], ["m"], keepdims=0),
+             helper.make_node("ArgMax", ["f"], ["am"], axis=1),
+             helper.make_node("ArgMax", ["f"], ["aml"], axis=1, select_last_index=1),
+             helper.make_node("ArgMin", ["f"], ["an"], axis=0, keepdims=0)]
+    check_model(model(nodes, spec, ["s", "m", "am", "aml", "an"], inits, opset=18), inputs)
+
+
+@pytest.mark.parametrize("op", ["Softmax", "LogSoftmax", "Hardmax"])
+@pytest.mark.parametrize("axis,opset", [(-1, 13), (1, 13), (1, 11)])
+def test_softmax_family(op, axis, opset):
+    spec = {"x": ((2, 3, 4), "float32")}
+    check_model(model([helper.make_node(op, ["x"], ["y"], axis=axis)], spec, ["y"], opset=opset),
+                random_inputs(spec))
+
+
+def test_normalizations():
+    rng = np.random.default_rng(0)
+    spec = {"x": ((2, 4, 3, 5), "float32")}
+    inits = {"g": rng.standard_normal((3, 5)).astype(np.float32),
+             "b": rng.standard_normal((3, 5)).astype(np.float32),
+             "c": rng.standard_normal(4).astype(np.float32),
+             "d": rng.standard_normal(4).astype(np.float32)}
+    nodes = [helper.make_node("LayerNormalization", ["x", "g", "b"], ["ln", "mean", "inv"], axis=2),
+             helper.make_node("InstanceNormalization", ["x", "c", "d"], ["inn"]),
+             helper.make_node("LpNormalization", ["x"], ["lp"], axis=1, p=1)]
+    check_model(model(nodes, spec, ["ln", "mean", "inv", "inn", "lp"], inits, opset=17),
+                random_inputs(spec))
+
+
+def test_two_phase_reduction_with_broadcast_epilogue():
+    """ReduceMean → Sub(x, mean): one loop per row, reduction then the broadcast epilogue."""
+    spec = {"x": ((6, 32), "float32")}
+    inits = {"axes": np.array([-1], np.int64)}
+    nodes = [helper.make_node("ReduceMean", ["x", "axes"], ["m"]),
+             helper.make_node("Sub", ["x", "m"], ["y"])]
+    m = model(nodes, spec, ["y"], inits, opset=18)
+    check_model(m, random_inputs(spec))
+    graph = frontend.build(m, {}, "t")
+    kernels = generate(build_plan(graph, [[op.id for op in graph.ops]], "test"), host_target())
+    assert len(kernels[0].schedule["stages"]) == 1
+    assert kernels[0].scratch_bytes == 0
+
+
+def _decomposed_layer_norm():
+    spec = {"x": ((2, 5, 16), "float32")}
+    rng = np.random.default_rng(1)
+    inits = {"axes": np.array([-1], np.int64), "two": np.array(2.0, np.float32),
+             "eps": np.array(1e-5, np.float32), "g": rng.standard_normal(16).astype(np.float32),
+             "b": rng.standard_normal(16).astype(np.float32)}
+    nodes = [helper.make_node("ReduceMean", ["x", "axes"], ["m"]),
+             helper.make_node("Sub", ["x", "m"], ["d"]),
+             helper.make_node("Pow", ["d", "two"], ["p"]),
+             helper.make_node("ReduceMean", ["p", "axes"], ["v"]),
+             helper.make_node("Add", ["v", "eps"], ["ve"]),
+             helper.make_node("Sqrt", ["ve"], ["s"]),
+             helper.make_node("Div", ["d", "s"], ["n"]),
+             helper.make_node("Mul", ["n", "g"], ["ng"]),
+             helper.make_node("Add", ["ng", "b"], ["y"])]
+    return model(nodes, spec, ["y"], inits, opset=18), spec
+
+
+def _decomposed_softmax():
+    spec = {"x": ((3, 4, 10), "float32")}
+    inits = {"axes": np.array([-1], np.int64)}
+    nodes = [helper.make_node("ReduceMax", ["x", "axes"], ["m"]),
+             helper.make_node("Sub", ["x", "m"], ["d"]),
+             helper.make_node("Exp", ["d"], ["e"]),
+             helper.make_node("ReduceSum", ["e", "axes"], ["s"]),
+             helper.make_node("Div", ["e", "s"], ["y"]),
+             helper.make_node("Softmax", ["y"], ["z"], axis=-1)]
+    return model(nodes, spec, ["z"], inits, opset=18), spec
+
+
+@pytest.mark.parametrize("build", [_decomposed_layer_norm, _decomposed_softmax])
+def test_row_block_with_several_reductions(build):
+    """A planner "row block": every op in one block; one stage, one loop over rows, phases."""
+    m, spec = build()
+    inputs = random_inputs(spec)
+    graph = frontend.build(m, {}, "t")
+    plan = build_plan(graph, [[op.id for op in graph.ops]], "test")
+    (kernel,) = generate(plan, host_target())
+    assert len(kernel.schedule["stages"]) == 1
+    assert kernel.scratch_bytes == 0
+    values = run_kernels(plan, [kernel], dict(zip(graph.inputs, inputs.values())))
+    assert_matches([values[t] for t in graph.outputs], reference(m, inputs))
+
+
+def test_cumulative_and_topk():
+    spec = {"x": ((3, 7), "float32")}
+    inits = {"axis": np.array(1, np.int64), "k": np.array([3], np.int64)}
+    x = random_inputs(spec)["x"]
+    x[0, 1] = x[0, 5]  # a tie
+    nodes = [helper.make_node("CumSum", ["x", "axis"], ["c"], exclusive=1, reverse=1),
+             helper.make_node("TopK", ["x", "k"], ["v", "i"], axis=1),
+             helper.make_node("TopK", ["x", "k"], ["sv", "si"], axis=0, largest=0)]
+    check_model(model(nodes, spec, ["c", "v", "i", "sv", "si"], inits), {"x": x})
