@@ -32,7 +32,12 @@ from pydantic import ValidationError
 
 import kiln
 from device_agents import protocol as p
-from device_agents.backends import CommandTimeout, DeviceBackend, DeviceError, DeviceLostError
+from device_agents.backends import (
+    CommandTimeout,
+    DeviceBackend,
+    DeviceError,
+    DeviceLostError,
+)
 from device_agents.client import AuthError, ServiceClient, ServiceError
 from device_agents.config import AgentConfig
 from device_agents.facts import FactsError, HardwareFacts, Transport

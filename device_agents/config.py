@@ -37,7 +37,14 @@ import tomllib
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+    model_validator,
+)
 
 DeviceName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:@-]{0,63}$")]
 TOKEN_ENV = "KILN_AGENT_TOKEN"
@@ -62,7 +69,7 @@ class SshDevice(_Section):
     work_dir: str = "kiln-agent"
 
     @model_validator(mode="after")
-    def _host_keys_explicit(self) -> "SshDevice":
+    def _host_keys_explicit(self) -> SshDevice:
         if self.known_hosts is None and not self.accept_unknown_host_key:
             raise ValueError(f"ssh device {self.name!r}: set known_hosts to a file holding the "
                              f"host's key (or accept_unknown_host_key = true to skip the check)")
@@ -98,7 +105,7 @@ class AgentConfig(_Section):
     adb_usb: AdbUsb = Field(default_factory=AdbUsb)
 
     @model_validator(mode="after")
-    def _unique_names(self) -> "AgentConfig":
+    def _unique_names(self) -> AgentConfig:
         names = [self.local_name] if self.local else []
         names += [d.name for d in self.ssh] + [d.name for d in self.adb]
         duplicates = sorted({n for n in names if names.count(n) > 1})

@@ -373,8 +373,8 @@ PROBE = "\n".join([
     "s cpuinfo; cat /proc/cpuinfo 2>/dev/null",
     "s possible; cat /sys/devices/system/cpu/possible 2>/dev/null",
     "s getprop; getprop 2>/dev/null",
-    f"s nvidia-smi-csv; nvidia-smi --query-gpu={NVIDIA_QUERY},compute_cap --format=csv "
-    f"2>/dev/null || nvidia-smi --query-gpu={NVIDIA_QUERY} --format=csv 2>/dev/null",
+    (f"s nvidia-smi-csv; nvidia-smi --query-gpu={NVIDIA_QUERY},compute_cap --format=csv "
+     f"2>/dev/null || nvidia-smi --query-gpu={NVIDIA_QUERY} --format=csv 2>/dev/null"),
     "s nvidia-smi; nvidia-smi 2>/dev/null | head -n 8",
     "s clinfo; clinfo 2>/dev/null",
     "s end",
@@ -401,10 +401,11 @@ def file_probe(cpus: Sequence[int]) -> str:
     numbers = " ".join(str(int(c)) for c in cpus[:MAX_CPUS])
     return "\n".join([
         f"f() {{ printf '\\n{FILE}%s\\n' \"$1\"; cat \"$1\" 2>/dev/null; }}",
-        f"for i in {numbers}; do for n in {' '.join(FREQ_FILES)}; do "
-        f"f /sys/devices/system/cpu/cpu$i/cpufreq/$n; done; done",
-        f"for j in {' '.join(str(i) for i in range(CACHE_INDEXES))}; do for n in "
-        f"{' '.join(CACHE_FILES)}; do f /sys/devices/system/cpu/cpu0/cache/index$j/$n; done; done",
+        (f"for i in {numbers}; do for n in {' '.join(FREQ_FILES)}; do "
+         f"f /sys/devices/system/cpu/cpu$i/cpufreq/$n; done; done"),
+        (f"for j in {' '.join(str(i) for i in range(CACHE_INDEXES))}; do for n in "
+         f"{' '.join(CACHE_FILES)}; do f /sys/devices/system/cpu/cpu0/cache/index$j/$n; done; "
+         f"done"),
     ])
 
 

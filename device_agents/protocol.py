@@ -81,7 +81,7 @@ class DeviceRegistration(_Model):
     protocol: int = PROTOCOL_VERSION
 
     @model_validator(mode="after")
-    def _fingerprint_matches(self) -> "DeviceRegistration":
+    def _fingerprint_matches(self) -> DeviceRegistration:
         if self.fingerprint != self.facts.fingerprint:
             raise ValueError("fingerprint does not match the facts")
         return self
@@ -152,7 +152,7 @@ class LatencySummary(_Model):
     max_s: Latency
 
     @model_validator(mode="after")
-    def _ordered(self) -> "LatencySummary":
+    def _ordered(self) -> LatencySummary:
         if not self.min_s <= self.p10_s <= self.median_s <= self.p90_s <= self.max_s:
             raise ValueError("latency statistics are not ordered min <= p10 <= median <= p90 <= max")
         return self
@@ -180,7 +180,7 @@ class ResultUpload(_Model):
         return value.strip()[:MAX_ERROR_CHARS] if value is not None else None
 
     @model_validator(mode="after")
-    def _consistent(self) -> "ResultUpload":
+    def _consistent(self) -> ResultUpload:
         if self.status == "failed":
             if not self.error:
                 raise ValueError("a failed result needs an error")

@@ -4,7 +4,8 @@
     facts = await backend.facts()
     await backend.push("weights.bin", f"{backend.work_dir}/b/weights.bin")
     code, out, err = await backend.run(["/path/kiln-runner", "-n", "10", ...], timeout=60)
-    await backend.sha256(path) -> hex or None;  await backend.remove(path);  await backend.close()
+    await backend.sha256(path) -> hex or None (computed on the device; sha256_many for several)
+    await backend.remove(path);  await backend.close()
 
 Commands are argv lists of Kiln's own values (paths Kiln chose, numbers, fixed flags); a backend
 that goes through a shell joins them with `command_line` (shlex.quote per argument), so what

@@ -21,6 +21,7 @@ raises DeviceLostError; the next call reconnects.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 import stat
 import struct
@@ -89,14 +90,14 @@ class AdbBackend(DeviceBackend):
 
     @classmethod
     def tcp(cls, host: str, port: int, signer: Any, name: str | None = None,
-            **kwargs: Any) -> "AdbBackend":
+            **kwargs: Any) -> AdbBackend:
         io_timeout = kwargs.get("io_timeout", 10.0)
         return cls(lambda: AdbDeviceTcp(host, port, default_transport_timeout_s=io_timeout),
                    signer, name or f"adb:{host}:{port}", **kwargs)
 
     @classmethod
     def usb(cls, serial: str, signer: Any, name: str | None = None,
-            **kwargs: Any) -> "AdbBackend":
+            **kwargs: Any) -> AdbBackend:
         io_timeout = kwargs.get("io_timeout", 10.0)
         return cls(lambda: AdbDeviceUsb(serial=serial, default_transport_timeout_s=io_timeout),
                    signer, name or f"adb-usb:{serial}", **kwargs)
@@ -129,10 +130,8 @@ class AdbBackend(DeviceBackend):
     def _drop(self) -> None:
         device, self._device = self._device, None
         if device is not None:
-            try:
+            with contextlib.suppress(Exception):  # closing a broken connection
                 device.close()
-            except Exception:  # noqa: BLE001 - closing a broken connection
-                pass
 
     async def _call(self, what: str, fn: Callable[[AdbDevice], T]) -> T:
         def work() -> T:

@@ -47,7 +47,7 @@ class LocalBackend(DeviceBackend):
             return 126, "", f"{argv[0]}: {exc}"
         try:
             out, err = await asyncio.wait_for(proc.communicate(), timeout)
-        except (asyncio.TimeoutError, asyncio.CancelledError) as exc:
+        except (TimeoutError, asyncio.CancelledError) as exc:
             _kill_group(proc.pid)
             await proc.wait()
             if isinstance(exc, asyncio.CancelledError):

@@ -67,7 +67,7 @@ class SshBackend(DeviceBackend):
         except asyncssh.PermissionDenied as exc:
             raise DeviceError(f"{self.name}: authentication as {self.user!r} with {self.key} "
                               f"was refused") from exc
-        except (*LOST, asyncio.TimeoutError) as exc:
+        except (TimeoutError, *LOST) as exc:
             raise DeviceLostError(f"{self.name}: cannot connect: {exc}") from exc
 
     async def _connection(self) -> asyncssh.SSHClientConnection:
@@ -85,7 +85,7 @@ class SshBackend(DeviceBackend):
             process = await conn.create_process(line, encoding=None)
             try:
                 done = await asyncio.wait_for(process.wait(check=False), timeout + GRACE_S)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 with contextlib.suppress(Exception):
                     process.send_signal("KILL")  # honoured for non-root users (OpenSSH >= 7.9)
                 process.close()
@@ -147,7 +147,7 @@ class SshBackend(DeviceBackend):
             conn.close()
             try:
                 await asyncio.wait_for(conn.wait_closed(), 5)
-            except (asyncio.TimeoutError, *LOST):
+            except (TimeoutError, *LOST):
                 pass
 
 

@@ -12,7 +12,12 @@ import os
 
 import pytest
 
-from device_agents.backends import CommandTimeout, DeviceError, DeviceLostError, command_line
+from device_agents.backends import (
+    CommandTimeout,
+    DeviceError,
+    DeviceLostError,
+    command_line,
+)
 from device_agents.backends.adb import AdbBackend, load_signer
 from device_agents.backends.local import LocalBackend
 from device_agents.backends.ssh import SshBackend

@@ -1,7 +1,6 @@
 """Measuring artifacts on the local machine, over ssh and on the stand-in phone; refusals."""
 from __future__ import annotations
 
-import asyncio
 import json
 from pathlib import Path
 
@@ -54,9 +53,9 @@ def test_measure_locally_and_reuse_the_bundle(host_artifact, tmp_path):
         pushed = list(backend.pushed)
         second = await measure(backend, facts, host_artifact, runs=3, repeats=1, threads=1,
                                cache_dir=tmp_path / "cache")
-        return facts, first, second, pushed
+        return first, second, pushed
 
-    facts, first, second, pushed = run(scenario(), backend)
+    first, second, pushed = run(scenario(), backend)
     check_measurement(first, host_artifact, 2)
     check_measurement(second, host_artifact, 1)
     assert (first.runs, first.warmup, second.threads) == (5, 1, 1)
