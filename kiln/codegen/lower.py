@@ -133,17 +133,11 @@ class Builder:
         raise NeedsBuffer(t.id)
 
 
-class InlineCtx:
-    """What an inline op's lowering sees: its op, its inputs' values at any index."""
+class OpAccess:
+    """An op's inputs, outputs and attributes, as every lowering context offers them."""
 
-    def __init__(self, builder: Builder, op: Op, position: int):
-        self.builder = builder
-        self.op = op
-        self.position = position
-        self.graph = builder.low.graph
-
-    def input(self, i: int, index: Index) -> Expr:
-        return self.builder.value(self.op.inputs[i], index)
+    op: Op
+    graph: Graph
 
     def has(self, i: int) -> bool:
         return i < len(self.op.inputs) and self.op.inputs[i] is not None
@@ -154,14 +148,24 @@ class InlineCtx:
     def shape(self, i: int) -> tuple[int, ...]:
         return self.tensor(i).shape
 
-    def dtype(self, i: int) -> str:
-        return self.tensor(i).dtype
-
     def const(self, i: int) -> np.ndarray | None:
         return self.tensor(i).data if self.has(i) else None
 
     def attr(self, name: str, default=None):
         return self.op.attrs.get(name, default)
+
+
+class InlineCtx(OpAccess):
+    """What an inline op's lowering sees: its op, its inputs' values at any index."""
+
+    def __init__(self, builder: Builder, op: Op, position: int):
+        self.builder = builder
+        self.op = op
+        self.position = position
+        self.graph = builder.low.graph
+
+    def input(self, i: int, index: Index) -> Expr:
+        return self.builder.value(self.op.inputs[i], index)
 
     def derived(self, array: np.ndarray) -> str:
         """A compile-time table the expression may load (a derived constant of the kernel)."""
@@ -175,7 +179,7 @@ class InlineCtx:
 # ---------------------------------------------------------------------------------------------
 # Stage contexts
 
-class StageCtx:
+class StageCtx(OpAccess):
     """What an anchor's lowering sees: operands, fresh names, scratch, and the epilogue."""
 
     def __init__(self, low: "BlockLowering", op: Op, fused: dict[str, list[tuple[str, "Path"]]]):
@@ -191,20 +195,8 @@ class StageCtx:
     def operand(self, i: int, index: Index) -> Expr:
         return self.builder.value(self.op.inputs[i], index)
 
-    def has(self, i: int) -> bool:
-        return i < len(self.op.inputs) and self.op.inputs[i] is not None
-
-    def tensor(self, i: int) -> Tensor:
-        return self.graph.tensors[self.op.inputs[i]]
-
     def out(self, i: int = 0) -> Tensor:
         return self.graph.tensors[self.op.outputs[i]]
-
-    def attr(self, name: str, default=None):
-        return self.op.attrs.get(name, default)
-
-    def const(self, i: int) -> np.ndarray | None:
-        return self.tensor(i).data if self.has(i) else None
 
     def output_used(self, i: int) -> bool:
         return i < len(self.op.outputs) and self.low.is_used(self.op.outputs[i])
@@ -368,7 +360,7 @@ class Point:
         return view.index(self.o, self.r)
 
 
-class RowCtx:
+class RowCtx(OpAccess):
     """What a row op's lowering sees: its view, reductions as phases, results per row/element."""
 
     def __init__(self, stage: "RowStage", op: Op, view: RowView):
@@ -376,18 +368,6 @@ class RowCtx:
         self.op = op
         self.view = view
         self.graph = stage.low.graph
-
-    def tensor(self, i: int) -> Tensor:
-        return self.graph.tensors[self.op.inputs[i]]
-
-    def has(self, i: int) -> bool:
-        return i < len(self.op.inputs) and self.op.inputs[i] is not None
-
-    def attr(self, name: str, default=None):
-        return self.op.attrs.get(name, default)
-
-    def const(self, i: int) -> np.ndarray | None:
-        return self.tensor(i).data if self.has(i) else None
 
     def out(self, i: int = 0) -> Tensor:
         return self.graph.tensors[self.op.outputs[i]]
@@ -399,9 +379,6 @@ class RowCtx:
 
     def value(self, i: int, point: Point, index: Index) -> Expr:
         return point.builder.value(self.op.inputs[i], index)
-
-    def outer_dims(self, point: Point) -> tuple[Expr, ...]:
-        return Index(self.view.outer_shape, flat=point.o).dims
 
     def reduce(self, kind: str, dtype: str, body: Callable[[Point], Expr],
                select_last: bool = False) -> Expr:
