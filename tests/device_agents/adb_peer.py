@@ -16,7 +16,7 @@ No Android device or adbd exists here, so this peer plays one on a loopback TCP 
   folder), STAT, RECV (pull) and QUIT.
 
 Test hooks: `commands` (every shell command received), `auth_log`, `vanish()` (the phone disappears: the port
-closes and every connection is reset, as when a cable is pulled), `vanish_when` (vanish instead of
+closes and every connection is reset, as when a cable is pulled), `revive()`, `vanish_when` (vanish instead of
 running a matching shell command), `corrupt_pushes` (flip one byte of every pushed file).
 
 The peer runs its own event loop in a thread, so blocking adb-shell calls can be made from tests.
@@ -206,6 +206,14 @@ exit $status
         """The phone disappears: the port closes and every connection is reset."""
         if self._thread.is_alive():
             asyncio.run_coroutine_threadsafe(self._vanish(), self._loop).result(10)
+
+    def revive(self) -> None:
+        """The phone comes back on the same port."""
+        asyncio.run_coroutine_threadsafe(self._revive(), self._loop).result(10)
+
+    async def _revive(self) -> None:
+        self.vanished.clear()
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
 
     async def _vanish(self) -> None:
         self.vanished.set()

@@ -99,24 +99,45 @@ def test_phone_lost_mid_batch_releases_its_tasks(tmp_path, service, phone, arm_a
     service.add_task("arm-2", arm_artifact_path, "aarch64")
     phone.vanish_when = lambda command: f"{RUNNER_NAME} -n " in command.replace("'", "")
     agent = Agent(config(tmp_path, service, local=False, phone=phone))
+    device = agent.devices[0]
 
     async def scenario():
         await agent.discover()
         await agent.heartbeat()
-        device = agent.devices[0]
-        finished = await agent.work_once(device)
-        await agent.close()
-        return device, finished
+        phone_id = device.device_id
+        assert await agent.work_once(device) == 0 and phone.vanished.is_set()
+        assert device.state == p.DeviceState.offline and "lost" in device.error
+        assert [(r.device_id, r.task_ids) for r in service.releases] == [
+            (phone_id, ["arm-1", "arm-2"])]
+        assert {t.state for t in service.tasks.values()} == {"queued"}  # back in the queue
+        assert service.last_status("phone") == p.DeviceState.offline
+        assert not service.results
 
-    device, finished = asyncio.run(scenario())
-    assert finished == 0 and phone.vanished.is_set()
-    assert device.state == p.DeviceState.offline and "lost" in device.error
-    phone_id = service.device_id("phone")
-    assert [(r.device_id, r.task_ids) for r in service.releases] == [(phone_id,
-                                                                      ["arm-1", "arm-2"])]
-    assert {t.state for t in service.tasks.values()} == {"queued"}  # back in the queue
-    assert service.last_status("phone") == p.DeviceState.offline
-    assert not service.results
+        phone.vanish_when = None
+        phone.revive()
+        await agent.discover()
+        assert device.device_id == phone_id  # registered again under the same id
+        assert await agent.work_once(device) == 2
+        assert {t.state for t in service.tasks.values()} == {"done"}
+        await agent.close()
+
+    asyncio.run(scenario())
+
+
+def test_unknown_devices_register_again(tmp_path, service):
+    agent = Agent(config(tmp_path, service))
+
+    async def scenario():
+        await agent.discover()
+        first = agent.devices[0].device_id
+        service.devices.clear()  # the service lost its records
+        await agent.heartbeat()
+        second = agent.devices[0].device_id
+        await agent.close()
+        return first, second
+
+    first, second = asyncio.run(scenario())
+    assert first != second and service.devices[second].name == "local"
 
 
 def test_ssh_host_lost_mid_run(tmp_path, service, sshd, host_artifact_path):

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+import kiln.codegen
 from device_agents.backends.local import LocalBackend
 from device_agents.measure import (
     RUNNER_NAME,
@@ -15,7 +16,11 @@ from device_agents.measure import (
     measure,
     parse_runner_output,
 )
+from kiln.cli import main as kiln_main
+from kiln.runtime.artifact import open_artifact
 from tests.device_agents.test_backends import adb_backend, run, ssh_backend
+
+ZOO = Path(__file__).resolve().parents[1] / "fixtures" / "zoo"
 
 
 class CountingBackend(LocalBackend):
@@ -64,6 +69,24 @@ def test_measure_locally_and_reuse_the_bundle(host_artifact, tmp_path):
     assert len(backend.pushed) == 3  # the second measurement pushed nothing
     assert first.bundle_id == second.bundle_id == build_bundle(host_artifact,
                                                                tmp_path / "cache").id
+
+
+def test_measure_a_compiled_zoo_model(tmp_path, capsys):
+    """What `kiln compile MODEL -o model.kiln` writes (the real code generator), measured here."""
+    if not hasattr(kiln.codegen, "generate"):
+        pytest.skip("the code generator has not landed")
+    path = tmp_path / "resnet50.kiln"
+    assert kiln_main(["compile", str(ZOO / "resnet50.onnx"), "-o", str(path)]) == 0, (
+        capsys.readouterr().err)
+    artifact = open_artifact(path, tmp_path / "extracted")
+    backend = LocalBackend(tmp_path / "device")
+
+    async def scenario():
+        facts = await backend.facts()
+        return await measure(backend, facts, artifact, runs=3, repeats=2,
+                             cache_dir=tmp_path / "cache")
+
+    check_measurement(run(scenario(), backend), artifact, 2)
 
 
 def test_measure_over_ssh(sshd, host_artifact, tmp_path):
