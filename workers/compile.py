@@ -122,8 +122,11 @@ def run_job(settings: Settings, db: Database, job_id: str, worker: str) -> str:
         model_path = storage.model_path(claim.model_sha256)
         if not model_path.is_file():
             raise TransientError(f"model file {model_path} is missing from storage")
+        named = build_dir / "model" / claim.model_filename  # reports name the user's file
+        named.parent.mkdir()
+        named.symlink_to(model_path)
         built = build_dir / "model.kiln"
-        report = pipeline.compile_artifact(model_path, built, compile_options(claim),
+        report = pipeline.compile_artifact(named, built, compile_options(claim),
                                            _profile_store(settings.profile_db and
                                                           str(settings.profile_db)), on_stage)
         seconds = clock.enter(None)

@@ -79,7 +79,7 @@ def test_runs_once_and_twice_is_harmless(env):
     job = job_row(db, job_id)
     assert (job.state, job.progress, job.attempts, job.worker) == ("succeeded", 100, 1, "w1")
     assert {"load", "frontend", "plan", "codegen", "build"} <= set(job.stage_seconds)
-    assert job.report["kernels"] > 0
+    assert job.report["kernels"] > 0 and job.report["model"] == "lstm"
     assert artifact_rows(db, job_id) == 1
     assert [p.name for p in (storage.root / "artifacts").iterdir()] == [f"{job_id}.kiln"]
     assert not any(storage.tmp.iterdir())
