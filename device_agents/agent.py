@@ -104,6 +104,10 @@ def usb_serials() -> list[str]:
         return []
 
 
+def _failed(base: dict, exc: BaseException) -> p.ResultUpload:
+    return p.ResultUpload(status="failed", error=str(exc) or type(exc).__name__, **base)
+
+
 class Agent:
     def __init__(self, config: AgentConfig, client: ServiceClient | None = None,
                  devices: list[Device] | None = None):
@@ -228,6 +232,9 @@ class Agent:
         except asyncio.CancelledError:
             await asyncio.shield(self._release(device, "the agent stopped"))
             raise
+        except Exception as exc:
+            await self._release(device, f"the agent failed: {type(exc).__name__}: {exc}")
+            raise
         if device.state == p.DeviceState.busy:
             device.state = p.DeviceState.online
         return done
@@ -271,29 +278,28 @@ class Agent:
                 log.warning("%s: task %s: %s; releasing it", device.name, task.task_id, exc)
                 await self._release_ids(device, [task.task_id], str(exc))
                 return
-            await self.upload(device, p.ResultUpload(status="failed", error=str(exc), **base))
+            await self.upload(device, _failed(base, exc))
             return
         except (KilnError, OSError) as exc:
-            await self.upload(device, p.ResultUpload(status="failed", error=str(exc), **base))
+            await self.upload(device, _failed(base, exc))
             return
         try:
             m = await measure(device.backend, device.facts, artifact, runs=task.runs,
                               warmup=task.warmup, repeats=task.repeats, threads=task.threads,
                               timeout_s=task.timeout_s, cache_dir=self.cache)
-        except DeviceLostError:
-            raise
-        except (CommandTimeout, DeviceError) as exc:
-            if not await device.backend.alive():
-                raise DeviceLostError(f"{device.name}: stopped answering ({exc})") from exc
-            result = p.ResultUpload(status="failed", error=str(exc), **base)
-        except (MeasurementError, KilnError, ValidationError, OSError) as exc:
-            result = p.ResultUpload(status="failed", error=str(exc), **base)
-        else:
             result = p.ResultUpload(
                 status="ok", kernels=m.kernels, totals=m.totals, runs=m.runs, warmup=m.warmup,
                 threads=m.threads, runner_version=m.runner_version,
                 runner_sha256=m.runner_sha256, artifact_hash=m.artifact_hash,
                 bundle_id=m.bundle_id, **base)
+        except DeviceLostError:
+            raise
+        except (CommandTimeout, DeviceError) as exc:
+            if not await device.backend.alive():
+                raise DeviceLostError(f"{device.name}: stopped answering ({exc})") from exc
+            result = _failed(base, exc)
+        except (MeasurementError, KilnError, ValidationError, OSError) as exc:
+            result = _failed(base, exc)
         if result.status == "failed":
             log.warning("%s: task %s failed: %s", device.name, task.task_id, result.error)
         await self.upload(device, result)

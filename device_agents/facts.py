@@ -27,9 +27,16 @@ import json
 import re
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, computed_field, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    computed_field,
+    field_validator,
+)
 
 from kiln.profile.machine import ISA_FEATURES, static_fingerprint
 
@@ -87,7 +94,8 @@ class HardwareFacts(BaseModel):
     device_model: str = Field("", max_length=TEXT_LIMIT)  # "Google Pixel 7"; empty for hosts
     cpu_vendor: str = Field("", max_length=TEXT_LIMIT)
     cpu_model: str = Field(max_length=TEXT_LIMIT)
-    core_types: dict[str, int] = Field(default_factory=dict)  # Arm: "Cortex-A55" -> 4
+    core_types: dict[Annotated[str, StringConstraints(max_length=64)], Annotated[
+        int, Field(ge=1, le=MAX_CPUS)]] = Field(default_factory=dict, max_length=64)  # "Cortex-A55": 4
     logical_cores: int = Field(ge=1, le=MAX_CPUS)
     min_freq_khz: int | None = Field(None, ge=0)
     max_freq_khz: int | None = Field(None, ge=0)
@@ -95,7 +103,8 @@ class HardwareFacts(BaseModel):
     l1i_bytes: int | None = Field(None, ge=0)
     l2_bytes: int | None = Field(None, ge=0)
     l3_bytes: int | None = Field(None, ge=0)
-    isa: tuple[str, ...] = ()  # sorted; names from X86_ISA / ARM_ISA values
+    isa: tuple[Annotated[str, StringConstraints(max_length=32)], ...] = Field(
+        (), max_length=128)  # sorted; names from X86_ISA / ARM_ISA values
     gpu_model: str | None = Field(None, max_length=TEXT_LIMIT)
     gpu_count: int = Field(0, ge=0, le=64)
     gpu_memory_mib: int | None = Field(None, ge=0)

@@ -288,3 +288,16 @@ def test_protocol_refuses_bad_results():
             p.ResultUpload.model_validate(base | {"kernels": kernels})
     with pytest.raises(ValueError, match="needs an error"):
         p.ResultUpload(task_id="t", device_id="d", status="failed")
+
+
+def test_usb_discovery_never_fails_the_agent(tmp_path, service):
+    """Without adb-shell's USB extra (or USB access) discovery finds nothing and goes on."""
+    agent = Agent(config(tmp_path, service, local=False, adb_usb={"enabled": True}))
+
+    async def scenario():
+        await agent.discover()
+        await agent.heartbeat()
+        await agent.close()
+
+    asyncio.run(scenario())
+    assert all(d.transport == "adb" and d.address.startswith("usb:") for d in agent.devices)
