@@ -109,9 +109,35 @@ def _folded_pad(ctx: StageCtx) -> tuple[str, tuple[int, ...]]:
     return pad.inputs[0], tuple(begin[2:])
 
 
+Reader = Callable[[Index], Expr]
+Finish = Callable[[Expr, Expr], Expr]  # (sum over the window, output channel) -> result
+
+
+@dataclass(frozen=True)
+class ConvOperands:
+    """How a convolution reads its operands and finishes its sums: plain Conv reads x and w as
+    they are and adds the bias; ConvInteger/QLinearConv subtract zero points in int32 and
+    requantize."""
+
+    x: str  # the tensor read as input (a folded Pad's input, when a Pad was folded)
+    read_x: Reader
+    read_w: Reader
+    acc_dtype: str
+    finish: Finish
+
+
 @stage("Conv", check=_float_input)
 def _conv(ctx: StageCtx) -> None:
-    x_shape, w_shape, out = ctx.tensor(0).shape, ctx.tensor(1).shape, ctx.out()
+    out = ctx.out()
+    read_w = ctx.reader(ctx.op.inputs[1])
+    conv_stage(ctx, 1, lambda x, folded: ConvOperands(x, ctx.reader(x), read_w, out.dtype,
+                                                      lambda total, m: _bias(ctx, 2, total, m)))
+
+
+def conv_stage(ctx: StageCtx, weight: int, operands: Callable[[str, bool], ConvOperands]) -> None:
+    """Lower a convolution whose input is `op.inputs[0]` and weight `op.inputs[weight]`;
+    `operands(x, folded)` says how to read them (folded: a zero Pad before x was absorbed)."""
+    x_shape, w_shape, out = ctx.tensor(0).shape, ctx.tensor(weight).shape, ctx.out()
     if out.numel == 0:
         return
     geometry = window(ctx.op, x_shape[2:], out.shape[2:], tuple(w_shape[2:]))
@@ -119,48 +145,48 @@ def _conv(ctx: StageCtx) -> None:
     pointwise = (all(k == 1 for k in geometry.kernel) and all(s == 1 for s in geometry.strides)
                  and not any(geometry.pad_begin) and not any(geometry.pad_end) and group == 1)
     if pointwise:
-        _pointwise(ctx)
+        _pointwise(ctx, w_shape, operands(ctx.op.inputs[0], False))
         return
-    source, extra = _folded_pad(ctx)
+    source, extra = _folded_pad(ctx) if ctx.op.op_type == "Conv" else (ctx.op.inputs[0], ())
     if extra:
         geometry = Window(ctx.graph.tensors[source].shape[2:], geometry.out_size, geometry.kernel,
                           geometry.strides, geometry.dilations,
                           tuple(a + b for a, b in zip(geometry.pad_begin, extra)), geometry.pad_end)
-    _direct_conv(ctx, geometry, ctx.reader(source), ctx.reader(ctx.op.inputs[1]), group)
+    _direct_conv(ctx, geometry, w_shape, operands(source, bool(extra)), group)
 
 
-def _bias(ctx: StageCtx, total: Expr, m: Expr) -> Expr:
-    if not ctx.has(2):
+def _bias(ctx: StageCtx, position: int, total: Expr, m: Expr) -> Expr:
+    if not ctx.has(position):
         return total
-    return binary("add", total, ctx.operand(2, Index(ctx.tensor(2).shape, dims=[m])))
+    return binary("add", total, ctx.operand(position, Index(ctx.tensor(position).shape, dims=[m])))
 
 
-def _pointwise(ctx: StageCtx) -> None:
-    x_shape, w_shape, out = ctx.tensor(0).shape, ctx.tensor(1).shape, ctx.out()
+def _pointwise(ctx: StageCtx, w_shape: tuple[int, ...], ops: ConvOperands) -> None:
+    x_shape, out = ctx.tensor(0).shape, ctx.out()
     n, c = x_shape[:2]
     m, pixels = w_shape[0], math.prod(x_shape[2:])
 
     def a_at(_: Index, i: Expr, k: Expr) -> Expr:
-        return ctx.operand(1, Index(w_shape, flat=add(mul(i, c), k)))
+        return ops.read_w(Index(w_shape, flat=add(mul(i, c), k)))
 
     def b_at(b: Index, k: Expr, j: Expr) -> Expr:
-        return ctx.operand(0, Index(x_shape, flat=add(mul(add(mul(b.flat, c), k), pixels), j)))
+        return ops.read_x(Index(x_shape, flat=add(mul(add(mul(b.flat, c), k), pixels), j)))
 
     def out_index(b: Expr, i: Expr, j: Expr) -> Index:
         return Index(out.shape, flat=add(mul(add(mul(b, m), i), pixels), j))
 
     contraction(ctx, Contraction((n,), m, pixels, c, (), (n,), a_at, b_at, out_index,
-                                 lambda total, b, i, j: _bias(ctx, total, i), out.dtype))
+                                 lambda total, b, i, j: ops.finish(total, i), ops.acc_dtype))
 
 
 def _divisor_at_most(n: int, limit: int) -> int:
     return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
 
 
-def _direct_conv(ctx: StageCtx, w: Window, read_x: Callable[[Index], Expr],
-                 read_w: Callable[[Index], Expr], group: int) -> None:
+def _direct_conv(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: ConvOperands,
+                 group: int) -> None:
     s = ctx.schedule
-    x_shape, w_shape, out = ctx.graph.tensors[ctx.op.inputs[0]].shape, ctx.tensor(1).shape, ctx.out()
+    x_shape, out = ctx.graph.tensors[ops.x].shape, ctx.out()
     batch, channels = out.shape[0], x_shape[1]
     m_total = out.shape[1]
     cg, mg = channels // group, m_total // group
@@ -170,7 +196,7 @@ def _direct_conv(ctx: StageCtx, w: Window, read_x: Callable[[Index], Expr],
     tiles = -(-width // tw)
     rows = math.prod(outer_sizes)
     blocks = m_total // mb
-    dtype = out.dtype
+    dtype = ops.acc_dtype
     in_shape = (batch, channels, *w.in_size)
 
     p = ctx.var("p", batch * blocks * rows)
@@ -203,8 +229,8 @@ def _direct_conv(ctx: StageCtx, w: Window, read_x: Callable[[Index], Expr],
     col_hi = imin(ceildiv(add(lo_num, w.in_size[last]), w.strides[last]), x_end)
     mm, col = ctx.var("m", mb), ctx.var("x", width)
     x_col = tap_position(w, last, col, kw)
-    x_value = read_x(Index(in_shape, dims=[n, add(c0, ci), *positions, x_col]))
-    w_value = read_w(Index(w_shape, dims=[add(m0, mm), ci, *taps]))
+    x_value = ops.read_x(Index(in_shape, dims=[n, add(c0, ci), *positions, x_col]))
+    w_value = ops.read_w(Index(w_shape, dims=[add(m0, mm), ci, *taps]))
     current = array_load(tile, dtype, slot(mm, col))
     update = ir.ArrayStore(tile, slot(mm, col), binary("add", current, binary("mul", w_value, x_value)))
     body: list[ir.Stmt] = [ir.Loop(mm, iconst(0), iconst(mb),
@@ -216,7 +242,7 @@ def _direct_conv(ctx: StageCtx, w: Window, read_x: Callable[[Index], Expr],
     reduction = ir.Loop(ci, iconst(0), iconst(cg), body)
 
     def epilogue(mm: Expr, col: Expr) -> list[ir.Stmt]:
-        total = _bias(ctx, array_load(tile, dtype, slot(mm, col)), add(m0, mm))
+        total = ops.finish(array_load(tile, dtype, slot(mm, col)), add(m0, mm))
         index = Index(out.shape, dims=[n, add(m0, mm), *outer, col])
         return ctx.results({0: (index, total)})
 
@@ -280,7 +306,7 @@ def _conv_transpose(ctx: StageCtx) -> None:
     body: list[ir.Stmt] = [ir.Assign(total, binary("add", total, term))]
     for tap, k in reversed(list(zip(taps, w.kernel))):
         body = [ir.Loop(tap, iconst(0), iconst(k), body)]
-    result = _bias(ctx, total, m)
+    result = _bias(ctx, 2, total, m)
     stmts = [ir.DeclAcc(total, const(0, dtype)), ir.Loop(ci, iconst(0), iconst(cg), body),
              *ctx.results({0: (Index(out.shape, flat=p), result)})]
     ctx.stage(f"conv-transpose ({ctx.op.id})", [ir.Loop(p, iconst(0), iconst(out.numel), stmts,

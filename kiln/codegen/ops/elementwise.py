@@ -9,8 +9,9 @@ from __future__ import annotations
 import math
 
 from kiln.codegen.expr import (
-    BOOL, FLOAT_TYPES, Expr, binary, call, cast, const, logical_and, logical_or, make,
-    select, unary)
+    BOOL, FLOAT_TYPES, Expr, binary, call, cast, clamp, const, index_compare, logical_and,
+    logical_or, make, select, unary)
+from kiln.codegen.expr import add as iadd
 from kiln.codegen.indexing import Index, broadcast
 from kiln.codegen.lower import InlineCtx
 from kiln.codegen.ops import inline
@@ -294,3 +295,21 @@ def _variadic(ctx: InlineCtx, index: Index) -> Expr:
     if ctx.op.op_type == "Mean":
         result = div(result, c(len(values), result))
     return result
+
+
+@inline("LRN", check=floats_only)
+def _lrn(ctx: InlineCtx, index: Index) -> Expr:
+    """x / (bias + alpha/size · Σ x² over the channel window)^beta; the window is unrolled."""
+    size = ctx.attr("size")
+    x = ctx.input(0, index)
+    channels = ctx.shape(0)[1]
+    dims = index.dims
+    squares = c(0, x)
+    for offset in range(-((size - 1) // 2), (size - 1) // 2 + (size - 1) % 2 + 1):
+        ch = iadd(dims[1], offset)
+        inside = logical_and(index_compare("ge", ch, 0), index_compare("lt", ch, channels))
+        v = ctx.input(0, Index(ctx.shape(0), dims=[dims[0], clamp(ch, 0, channels - 1), *dims[2:]]))
+        squares = add(squares, select(inside, mul(v, v), c(0, x)))
+    scale = c(ctx.attr("alpha", 1e-4) / size, x)
+    base = add(c(ctx.attr("bias", 1.0), x), mul(scale, squares))
+    return div(x, fn("pow", base, c(ctx.attr("beta", 0.75), x)))
