@@ -15,14 +15,16 @@ from kiln.report import format_report
 from kiln.target import TARGET_NAMES
 
 # Modules defining `add_commands(subparsers)`; each registers its subcommands.
-COMMAND_MODULES: tuple[str, ...] = ("kiln.runtime.cli", "service.cli", "workers.cli")
+COMMAND_MODULES: tuple[str, ...] = ("kiln.runtime.cli", "service.cli", "workers.cli",
+                                    "kiln.rewrite.cli")
 
 
 def _compile(args: argparse.Namespace) -> int:
     from kiln.profile.local import default_store
 
     shapes = dict(frontend.parse_shape_arg(s) for s in args.shape)
-    options = CompileOptions(partitioner=args.partitioner, shapes=shapes, target=args.target)
+    options = CompileOptions(partitioner=args.partitioner, shapes=shapes, target=args.target,
+                             rewrite=not args.no_rewrite)
     store = default_store(args.profile_db)
     if args.output:
         report = compile_artifact(args.model, args.output, options, store)
@@ -48,6 +50,8 @@ def add_compile_command(commands) -> argparse.ArgumentParser:
                      help="build the artifact here (without it, stop after planning)")
     cmd.add_argument("--target", default="host", choices=TARGET_NAMES,
                      help="machine the artifact runs on (default: this one)")
+    cmd.add_argument("--no-rewrite", action="store_true",
+                     help="skip the math-property graph rewriting (see `kiln rules`)")
     cmd.add_argument("--report-json", metavar="FILE", help="write the fusion report here")
     cmd.add_argument("--profile-db", metavar="FILE",
                      help="profile database (default $KILN_PROFILE_DB or ~/.cache/kiln)")

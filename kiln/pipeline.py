@@ -1,4 +1,4 @@
-"""The compiler as a list of named stages: frontend → plan (→ rewrite later) → codegen → build."""
+"""The compiler as a list of named stages: frontend → rewrite → plan → codegen → build."""
 from __future__ import annotations
 
 import time
@@ -11,6 +11,7 @@ from kiln.ecg import Graph
 from kiln.plan import FusionPlan, partitioner
 from kiln.profile import ProfileStore
 from kiln.report import fusion_report
+from kiln.rewrite import RewriteResult, rewrite
 from kiln.runtime.artifact import build_artifact
 from kiln.target import target
 
@@ -22,11 +23,12 @@ class CompileOptions:
     partitioner: str = "dnnfusion"
     shapes: Mapping[str, Sequence[int]] = field(default_factory=dict)
     target: str = "host"  # see kiln.target.TARGET_NAMES
+    rewrite: bool = True  # math-property graph rewriting (kiln.rewrite) before planning
 
 
 @dataclass
 class Compilation:
-    graph: Graph
+    graph: Graph  # the ECG the plan partitions (after rewriting)
     plan: FusionPlan
     report: dict[str, Any]
 
@@ -52,8 +54,11 @@ def compile_model(path: str | Path, options: CompileOptions, store: ProfileStore
     model = clock.run("load", frontend.read_model, path)
     onnx_nodes = sum(1 for n in model.graph.node if n.op_type != "Constant")
     graph = clock.run("frontend", _frontend, model, options, Path(path).stem)
-    plan = clock.run("plan", choose, graph, store)
-    return Compilation(graph, plan, fusion_report(graph, plan, clock.seconds, onnx_nodes))
+    rewritten = clock.run("rewrite", rewrite, graph) if options.rewrite else \
+        RewriteResult.unchanged(graph)
+    plan = clock.run("plan", choose, rewritten.graph, store)
+    report = fusion_report(graph, plan, clock.seconds, onnx_nodes, rewritten)
+    return Compilation(rewritten.graph, plan, report)
 
 
 def compile_artifact(model_path: str | Path, out_path: str | Path, options: CompileOptions,

@@ -2,14 +2,19 @@
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kiln.ecg import Graph
 from kiln.plan import FusionPlan
 
+if TYPE_CHECKING:
+    from kiln.rewrite import RewriteResult
+
 
 def fusion_report(graph: Graph, plan: FusionPlan, seconds: dict[str, float],
-                  onnx_nodes: int) -> dict[str, Any]:
+                  onnx_nodes: int, rewrite: "RewriteResult | None" = None) -> dict[str, Any]:
+    """`graph` is the frontend's ECG (the *_before counts describe it); `plan` partitions the
+    graph after rewriting, whose rules and FLOPs `rewrite` gives (None: no rewriting)."""
     cil = sum(1 for op in graph.ops if op.compute_intensive)
     refusals = Counter(d.reason.split(":")[0] for d in plan.decisions if not d.fused)
     return {
@@ -24,6 +29,9 @@ def fusion_report(graph: Graph, plan: FusionPlan, seconds: dict[str, float],
         "irs_bytes_before": graph.irs_bytes,
         "irs_bytes_after": plan.irs_bytes,
         "yellow_lookups": plan.yellow_lookups,
+        "rules_fired": dict(rewrite.rules_fired) if rewrite else {},
+        "flops_before": rewrite.flops_before if rewrite else graph.total_flops,
+        "flops_after": rewrite.flops_after if rewrite else graph.total_flops,
         "refusals": dict(sorted(refusals.items())),
         "seconds": {stage: round(s, 4) for stage, s in seconds.items()},
         "blocks": [{"id": b.id, "name": b.name, "ops": len(b.op_ids), "mapping": b.mapping.label,
@@ -44,7 +52,15 @@ def format_report(report: dict[str, Any]) -> str:
         ("intermediate results", f"{report['irs_bytes_before'] / mib:.1f} MiB -> "
                                  f"{report['irs_bytes_after'] / mib:.1f} MiB"),
         ("yellow lookups", report["yellow_lookups"]),
+        ("rewrite rules fired", f"{sum(report['rules_fired'].values())} "
+                                f"({len(report['rules_fired'])} distinct)"),
+        ("FLOPs", _flops_change(report["flops_before"], report["flops_after"])),
     ]
     rows += [(f"seconds: {stage}", f"{s:.3f}") for stage, s in report["seconds"].items()]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
+
+
+def _flops_change(before: int, after: int) -> str:
+    change = f" ({(after - before) / before:+.1%})" if before else ""
+    return f"{before:,} -> {after:,}{change}"

@@ -141,7 +141,7 @@ class Alt(Term):
     options: tuple[Term, ...]
 
     def __str__(self) -> str:
-        return " | ".join(str(o) for o in self.options)
+        return "[" + " | ".join(str(o) for o in self.options) + "]"
 
 
 def alt(*options: Term) -> Alt:

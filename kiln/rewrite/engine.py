@@ -124,6 +124,10 @@ class Work:
             self.journal = outer
             self.next_tensor, self.next_op = counters
 
+    def live_ops(self) -> set[str]:
+        """Ops some model output depends on."""
+        return _live(self)
+
     # the scope `annotate` and the FLOP rules read
     def activation_inputs(self, op: Op) -> tuple[str, ...]:
         return tuple(t for t in op.present_inputs() if not self.tensors[t].is_constant)
@@ -179,7 +183,10 @@ class Work:
         return changed
 
     def to_graph(self) -> Graph:
-        ordered = sorted(self.ops.values(), key=lambda op: self.key[op.id])
+        """The ECG: ops in order, annotated; ops that reach no output and unused constants go."""
+        live = self.live_ops()
+        ordered = [op for op in sorted(self.ops.values(), key=lambda op: self.key[op.id])
+                   if op.id in live]
         used = set(self.inputs) | set(self.outputs)
         for op in ordered:
             used.update(op.present_inputs())
@@ -189,6 +196,18 @@ class Work:
         bare = toposort(ordered, available)
         draft = Graph(tensors, bare, self.inputs, self.outputs, self.opset, self.name)
         return draft.with_ops([annotate(op, draft) for op in bare])
+
+
+def _live(work: "Work") -> set[str]:
+    live, stack = set(), [work.producer[t] for t in work.outputs if t in work.producer]
+    while stack:
+        op_id = stack.pop()
+        if op_id in live:
+            continue
+        live.add(op_id)
+        stack.extend(work.producer[t] for t in work.ops[op_id].present_inputs()
+                     if t in work.producer)
+    return live
 
 
 def _numbered(prefix: str, ids) -> Iterator[int]:

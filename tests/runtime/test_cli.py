@@ -36,7 +36,8 @@ def onnx_mlp(tmp_path_factory):
 
 
 def handwritten_generate(relu: str = RELU):
-    """A stand-in for kiln.codegen.generate for one-op blocks of MatMul, Add and Relu."""
+    """A stand-in for kiln.codegen.generate for one-op blocks of MatMul, Add and Relu (models are
+    compiled with --no-rewrite, which keeps exactly those ops)."""
     def generate(plan: FusionPlan, target: Target) -> list[Kernel]:
         kernels = []
         for i, block in enumerate(plan.blocks):
@@ -68,14 +69,15 @@ def stand_in_codegen(monkeypatch):
 def compiled(onnx_mlp, stand_in_codegen, tmp_path):
     out = tmp_path / "mlp.kiln"
     assert main(["compile", str(onnx_mlp), "-o", str(out), "--partitioner", "none",
-                 "--profile-db", ":memory:"]) == 0
+                 "--no-rewrite", "--profile-db", ":memory:"]) == 0
     return out
 
 
 def test_compile_artifact_adds_stages_and_memory_to_the_report(onnx_mlp, stand_in_codegen,
                                                                tmp_path):
     stages = []
-    report = compile_artifact(onnx_mlp, tmp_path / "m.kiln", CompileOptions(partitioner="none"),
+    report = compile_artifact(onnx_mlp, tmp_path / "m.kiln",
+                              CompileOptions(partitioner="none", rewrite=False),
                               default_store(":memory:"), stages.append)
     assert stages[-2:] == ["codegen", "build"]
     assert {"codegen", "build"} <= set(report["seconds"])
@@ -95,7 +97,7 @@ def test_compile_without_output_stops_after_planning(onnx_mlp, capsys):
 def test_compile_prints_the_artifact(onnx_mlp, stand_in_codegen, tmp_path, capsys):
     out = tmp_path / "mlp.kiln"
     assert main(["compile", str(onnx_mlp), "-o", str(out), "--partitioner", "none",
-                 "--profile-db", ":memory:"]) == 0
+                 "--no-rewrite", "--profile-db", ":memory:"]) == 0
     assert f"wrote {out}: 4 kernels, peak memory" in capsys.readouterr().out
 
 
@@ -110,7 +112,7 @@ def test_verify_fails_for_wrong_kernels(onnx_mlp, monkeypatch, tmp_path, capsys)
     monkeypatch.setattr(codegen, "generate", handwritten_generate(relu="x0"), raising=False)
     out = tmp_path / "wrong.kiln"
     assert main(["compile", str(onnx_mlp), "-o", str(out), "--partitioner", "none",
-                 "--profile-db", ":memory:"]) == 0
+                 "--no-rewrite", "--profile-db", ":memory:"]) == 0
     assert main(["verify", str(out), str(onnx_mlp)]) == 1
     assert "FAILED: 2 of 2 output(s) beyond tolerance: y, z" in capsys.readouterr().out
 
@@ -149,7 +151,7 @@ def test_aarch64_compile_and_verify_under_qemu(onnx_mlp, stand_in_codegen, tmp_p
         pytest.skip(f"cannot cross-build for aarch64: {reason}")
     out = tmp_path / "mlp-a64.kiln"
     assert main(["compile", str(onnx_mlp), "-o", str(out), "--target", "aarch64",
-                 "--partitioner", "none", "--profile-db", ":memory:"]) == 0
+                 "--partitioner", "none", "--no-rewrite", "--profile-db", ":memory:"]) == 0
     assert main(["verify", str(out), str(onnx_mlp)]) == 0
     assert main(["bench", str(out), "--runs", "2", "--warmup", "0"]) == 0
     assert "(aarch64, 4 kernels" in capsys.readouterr().out
