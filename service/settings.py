@@ -41,6 +41,8 @@ class Settings(BaseSettings):
     heartbeat_seconds: float = Field(5.0, gt=0, description="how often a running job says alive")
     stale_after_seconds: float = Field(60.0, gt=0, description="silence after which a job is re-run")
     reap_interval_seconds: float = Field(10.0, gt=0, description="how often workers look for them")
+    resend_queued_seconds: float = Field(900.0, gt=0, description=(
+        "a job queued this long gets its message sent again (a lost message costs no job)"))
     max_attempts: int = Field(3, ge=1, description="worker losses before a job is failed")
     task_max_retries: int = Field(5, ge=0, description="retries of transient failures")
     broker_poll_seconds: float = Field(0.2, gt=0, description="polling of the embedded broker")

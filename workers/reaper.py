@@ -1,6 +1,7 @@
 """Requeue jobs whose worker went silent (SIGKILL, machine loss): a thread in each worker.
 
 Every worker runs it; requeue_stale's conditional update lets exactly one of them requeue a job.
+It also sends again the message of a job queued for long (in case the message was lost).
 """
 from __future__ import annotations
 
@@ -17,13 +18,18 @@ log = logging.getLogger("kiln.worker")
 def reap_once(settings: Settings, celery_app) -> list[str]:
     from service.dispatch import Dispatcher
 
-    ids = lifecycle.requeue_stale(database(settings.database_url), settings.stale_after_seconds,
-                                  settings.max_attempts)
+    db = database(settings.database_url)
     dispatcher = Dispatcher(celery_app)
+    ids = lifecycle.requeue_stale(db, settings.stale_after_seconds, settings.max_attempts)
     for job_id in ids:
         log.warning("job %s: its worker went silent; requeued", job_id)
         dispatcher.enqueue(job_id)
-    return ids
+    waiting = lifecycle.resend_queued(db, settings.resend_queued_seconds)
+    for job_id in waiting:
+        log.info("job %s: queued for over %.0f s; its message is sent again", job_id,
+                 settings.resend_queued_seconds)
+        dispatcher.enqueue(job_id)
+    return ids + waiting
 
 
 def start(settings: Settings, celery_app) -> threading.Event:

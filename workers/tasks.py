@@ -22,6 +22,12 @@ def compile_job(self, job_id: str) -> str:
     try:
         outcome = run_job(app.kiln_settings, _db(), job_id, self.request.hostname or "worker")
     except TRANSIENT as exc:
+        if self.request.retries >= self.max_retries:
+            from service.jobs import lifecycle
+
+            lifecycle.give_up(_db(), job_id, f"gave up after {self.request.retries + 1} "
+                              f"transient failures; the last: {type(exc).__name__}: {exc}")
+            raise
         delay = min(60, 2 ** self.request.retries)
         log.warning("job %s: transient failure (%s); retry in %ss", job_id, exc, delay)
         raise self.retry(exc=exc, countdown=delay)

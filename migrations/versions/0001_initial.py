@@ -93,6 +93,7 @@ def upgrade() -> None:
     sa.Column('worker', sa.String(length=200), nullable=True),
     sa.Column('heartbeat_at', service.db.UTCDateTime(timezone=True), nullable=True),
     sa.Column('created_at', service.db.UTCDateTime(timezone=True), nullable=False),
+    sa.Column('enqueued_at', service.db.UTCDateTime(timezone=True), nullable=True),
     sa.Column('started_at', service.db.UTCDateTime(timezone=True), nullable=True),
     sa.Column('finished_at', service.db.UTCDateTime(timezone=True), nullable=True),
     sa.ForeignKeyConstraint(['model_id'], ['models.id'], name=op.f('fk_jobs_model_id_models'), ondelete='CASCADE'),
@@ -101,6 +102,7 @@ def upgrade() -> None:
     )
     with op.batch_alter_table('jobs', schema=None) as batch_op:
         batch_op.create_index(batch_op.f('ix_jobs_model_id'), ['model_id'], unique=False)
+        batch_op.create_index('ix_jobs_state_enqueued', ['state', 'enqueued_at'], unique=False)
         batch_op.create_index('ix_jobs_state_heartbeat', ['state', 'heartbeat_at'], unique=False)
         batch_op.create_index('ix_jobs_tenant_created', ['tenant_id', 'created_at'], unique=False)
 
@@ -154,6 +156,7 @@ def downgrade() -> None:
     with op.batch_alter_table('jobs', schema=None) as batch_op:
         batch_op.drop_index('ix_jobs_tenant_created')
         batch_op.drop_index('ix_jobs_state_heartbeat')
+        batch_op.drop_index('ix_jobs_state_enqueued')
         batch_op.drop_index(batch_op.f('ix_jobs_model_id'))
 
     op.drop_table('jobs')

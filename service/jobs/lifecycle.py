@@ -8,14 +8,14 @@ claim records stages and only it can move the job to succeeded and install its a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy import select, update
 
 from service.db import Database, utcnow
-from service.jobs.tables import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, TERMINAL, Artifact, Job
+from service.jobs.tables import FAILED, QUEUED, RUNNING, SUCCEEDED, TERMINAL, Artifact, Job
 from service.models.tables import ModelRecord
 from service.storage import Storage
 
@@ -113,7 +113,7 @@ def release(db: Database, claim: Claim) -> bool:
     """Give the job back to the queue (a transient failure; the task retries)."""
     with db.write() as s:
         result = s.execute(update(Job).where(*_fence(claim.job_id, claim.attempt)).values(
-            state=QUEUED, worker=None, heartbeat_at=None))
+            state=QUEUED, worker=None, heartbeat_at=None, enqueued_at=utcnow()))
         return result.rowcount == 1
 
 
@@ -135,7 +135,7 @@ def requeue_stale(db: Database, stale_after: float, max_attempts: int) -> list[s
                 f"the job was started {attempts} times and each time its worker stopped before "
                 "finishing (crash or lost connection)")}
         else:
-            values["state"] = QUEUED
+            values |= {"state": QUEUED, "enqueued_at": utcnow()}
         with db.write() as s:
             changed = s.execute(update(Job).where(
                 Job.id == job_id, Job.state == RUNNING, Job.attempts == attempts,
@@ -145,10 +145,33 @@ def requeue_stale(db: Database, stale_after: float, max_attempts: int) -> list[s
     return requeued
 
 
-def is_cancelled(db: Database, job_id: str) -> bool:
+def mark_enqueued(db: Database, job_id: str) -> None:
+    with db.write() as s:
+        s.execute(update(Job).where(Job.id == job_id).values(enqueued_at=utcnow()))
+
+
+def resend_queued(db: Database, older_than: float) -> list[str]:
+    """Queued jobs whose message was sent `older_than` seconds ago: claim a resend for each.
+
+    A message can be lost (a broker restarted without persistence, a worker killed between
+    taking a message and claiming its job); sending again is harmless, since claims are atomic.
+    """
+    cutoff = utcnow() - timedelta(seconds=older_than)
     with db.read() as s:
-        return s.scalar(select(Job.state).where(Job.id == job_id)) == CANCELLED
+        waiting = list(s.scalars(select(Job.id).where(Job.state == QUEUED,
+                                                      Job.enqueued_at < cutoff)))
+    resend = []
+    for job_id in waiting:
+        with db.write() as s:
+            if s.execute(update(Job).where(Job.id == job_id, Job.state == QUEUED,
+                                           Job.enqueued_at < cutoff)
+                         .values(enqueued_at=utcnow())).rowcount:
+                resend.append(job_id)
+    return resend
 
 
-def stale_before(seconds: float) -> datetime:
-    return utcnow() - timedelta(seconds=seconds)
+def give_up(db: Database, job_id: str, message: str) -> bool:
+    """Fail a queued job whose task ran out of retries."""
+    with db.write() as s:
+        return s.execute(update(Job).where(Job.id == job_id, Job.state == QUEUED).values(
+            state=FAILED, error=message, finished_at=utcnow())).rowcount == 1

@@ -18,6 +18,7 @@ class Job(Base):
     __table_args__ = (
         Index("ix_jobs_tenant_created", "tenant_id", "created_at"),
         Index("ix_jobs_state_heartbeat", "state", "heartbeat_at"),
+        Index("ix_jobs_state_enqueued", "state", "enqueued_at"),
     )
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
@@ -41,6 +42,7 @@ class Job(Base):
     heartbeat_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
 
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    enqueued_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
 

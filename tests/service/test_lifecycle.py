@@ -221,3 +221,47 @@ def test_a_job_whose_workers_keep_dying_fails(env):
         lifecycle.requeue_stale(db, 30, 3)
     job = job_row(db, job_id)
     assert job.state == "failed" and "started 3 times" in job.error
+
+
+def test_a_long_queued_job_gets_its_message_again(env):
+    settings, db, _, _, new_job = env
+    job_id = new_job()
+    assert lifecycle.resend_queued(db, 60) == []
+    with db.write() as s:
+        s.execute(update(Job).where(Job.id == job_id)
+                  .values(enqueued_at=utcnow() - timedelta(seconds=120)))
+    assert lifecycle.resend_queued(db, 60) == [job_id]
+    assert lifecycle.resend_queued(db, 60) == []  # once per period
+
+
+def test_the_task_retries_transient_failures_with_backoff(env, monkeypatch):
+    settings, db, _, _, new_job = env
+    from workers import tasks
+    from workers.app import app
+
+    monkeypatch.setattr(app, "kiln_settings", settings)
+    monkeypatch.setattr(tasks, "_db", lambda: db)
+    real_run_job, calls = tasks.run_job, []
+
+    def flaky(settings, db, job_id, worker):
+        calls.append(job_id)
+        if len(calls) < 3:
+            raise OperationalError("SELECT 1", {}, Exception("connection refused"))
+        return real_run_job(settings, db, job_id, worker)
+
+    monkeypatch.setattr(tasks, "run_job", flaky)
+    job_id = new_job(partitioner="none")
+    assert tasks.compile_job.apply(args=[job_id]).get() == "succeeded"
+    assert len(calls) == 3 and job_row(db, job_id).state == "succeeded"
+
+    def down(settings, db, job_id, worker):
+        calls.append(job_id)
+        raise OperationalError("SELECT 1", {}, Exception("connection refused"))
+
+    monkeypatch.setattr(tasks, "run_job", down)
+    calls.clear()
+    job_id = new_job()
+    result = tasks.compile_job.apply(args=[job_id])
+    assert result.failed() and len(calls) == tasks.compile_job.max_retries + 1
+    job = job_row(db, job_id)
+    assert job.state == "failed" and "gave up after" in job.error and "connection refused" in job.error
