@@ -351,6 +351,10 @@ class CEmitter:
             return f"(({t})(~{a[0]}))"
         if op in ("shl", "shr"):
             return _render_shift(op, dtype, a)
+        if op == "bitcast":
+            source = C_TYPES[e.args[0].dtype]
+            return (f"({{ {t} bits_; const {source} from_ = {a[0]}; "
+                    f"memcpy(&bits_, &from_, sizeof bits_); bits_; }})")
         if op == "call":
             fn = e.attr + ("f" if dtype == "float32" else "")
             return f"{fn}({', '.join(a)})"

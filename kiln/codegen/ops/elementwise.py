@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from kiln.codegen.expr import (
     BOOL, FLOAT_TYPES, Expr, binary, call, cast, clamp, const, index_compare, logical_and,
     logical_or, make, select, unary)
@@ -313,3 +315,21 @@ def _lrn(ctx: InlineCtx, index: Index) -> Expr:
     scale = c(ctx.attr("alpha", 1e-4) / size, x)
     base = add(c(ctx.attr("bias", 1.0), x), mul(scale, squares))
     return div(x, fn("pow", base, c(ctx.attr("beta", 0.75), x)))
+
+
+@inline("SwiGLU", check=floats_only)
+def _swiglu(ctx: InlineCtx, index: Index) -> Expr:
+    a, b = ctx.input(0, index), ctx.input(1, index)
+    return mul(mul(a, sigmoid(mul(c(ctx.attr("alpha", 1.0), a), a))), b)
+
+
+def _same_width(op: Op, graph: Graph) -> str | None:
+    source, target = graph.tensors[op.inputs[0]].dtype, graph.tensors[op.outputs[0]].dtype
+    if np.dtype(source).itemsize != np.dtype(target).itemsize or BOOL in (source, target):
+        return "different bit widths"
+    return None
+
+
+@inline("BitCast", check=_same_width)
+def _bitcast(ctx: InlineCtx, index: Index) -> Expr:
+    return make("bitcast", ctx.out.dtype, (ctx.input(0, index),))
