@@ -125,6 +125,7 @@ class Node(Term):
     attrs: Mapping[str, Any] = field(default_factory=dict)  # pattern: value or predicate
     name: str | None = None
     like: str | None = None  # replacement: copy the attributes of this matched node
+    any_order: bool = False  # pattern: match the two operands in either order (any op)
 
     def __str__(self) -> str:
         head = "|".join(_SHORT.get(o, o) for o in self.ops)

@@ -286,7 +286,7 @@ def _match_node(work: Work, term: Node, tid: str | None, st: _State) -> Iterator
     nodes = st.nodes if term.name is None else {**st.nodes, term.name: op}
     start = _State(bind, nodes, st.ops + [op])
     orders = [term.args]
-    if op.op_type in SYMMETRIC and len(term.args) == 2:
+    if (op.op_type in SYMMETRIC or term.any_order) and len(term.args) == 2:
         orders.append(term.args[::-1])
     for args in orders:
         yield from _match_args(work, args, inputs, start)
@@ -680,7 +680,7 @@ class Engine:
             need = needs[arg]
             return need is None or (position < len(types) and types[position] in need)
 
-        if op.op_type in SYMMETRIC and len(needs) == 2:
+        if (op.op_type in SYMMETRIC or self.rules[index].pattern.any_order) and len(needs) == 2:
             return (fits(0, 0) and fits(1, 1)) or (fits(0, 1) and fits(1, 0))
         return all(fits(i, i) for i in range(len(needs)))
 

@@ -17,7 +17,7 @@ import math
 import numpy as np
 
 from kiln.rewrite import facts as f
-from kiln.rewrite.dsl import (FLOAT32, NUMERIC, SIMPLIFY, A, Abs, Add, B, Cast, Div, Erf,
+from kiln.rewrite.dsl import (FLOAT32, NUMERIC, SIMPLIFY, Node, A, Abs, Add, B, Cast, Div, Erf,
                               Expand, Fill, Gemm, Identity, K, Log, MatMul, Mul, Neg, Pow,
                               Recip, ReduceSum, ReduceSumSquare, Relu, Sqrt, Square, Sub, Tanh,
                               Var, W1, Wc, X, alt, ax, c, one_of, op, rule, s, s1, s2)
@@ -167,23 +167,24 @@ _simp("movement_triple_to_reshape",
 
 def _expand_subsumed(m) -> bool:
     """Broadcasting X itself gives the same shape: the Expand only materializes a broadcast."""
-    others = [m.shape(n) for n in ("Y",) if n in m]
-    return tuple(np.broadcast_shapes(m.shape("X"), *others)) == m.out.shape
+    return tuple(np.broadcast_shapes(m.shape("X"), m.shape("Y"))) == m.out.shape
 
 
-_SYMMETRIC_BINARY = ("Add", "Mul", "Max", "Min", "And", "Or", "Xor", "Equal")
-_simp("expand_into_broadcast", one_of(*_SYMMETRIC_BINARY)(Expand(X, s), Var("Y"), name="e"),
-      lambda m: op(m.op("e").op_type)(X, Var("Y"), like="e"), guard=_expand_subsumed,
-      dtypes=None, replacement_text="op(X, Y)", example={"family": "expand_broadcast"},
-      note="an Expand feeding a broadcasting op is done by the broadcast")
-_simp("expand_into_broadcast_left", one_of("Sub", "Div", "Pow")(Expand(X, s), Var("Y"), name="e"),
-      lambda m: op(m.op("e").op_type)(X, Var("Y"), like="e"), guard=_expand_subsumed,
-      dtypes=None, replacement_text="op(X, Y)",
-      example={"family": "expand_broadcast", "domain": {"X": "pos", "Y": "away"}})
-_simp("expand_into_broadcast_right", one_of("Sub", "Div", "Pow")(Var("Y"), Expand(X, s), name="e"),
-      lambda m: op(m.op("e").op_type)(Var("Y"), X, like="e"), guard=_expand_subsumed,
-      dtypes=None, replacement_text="op(Y, X)",
-      example={"family": "expand_broadcast", "domain": {"X": "away", "Y": "pos"}})
+_BROADCASTING = ("Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "And", "Or", "Xor", "Equal")
+
+
+def _without_expand(m):
+    """The matched op with the Expand's output replaced by the Expand's input."""
+    node = m.op("e")
+    args = [X if t == m["x_expanded"] else Var("Y") for t in node.inputs]
+    return op(node.op_type)(*args, like="e")
+
+
+_simp("expand_into_broadcast",
+      Node(_BROADCASTING, (Expand(X, s, name="x_expanded"), Var("Y")), name="e", any_order=True),
+      _without_expand, guard=_expand_subsumed, dtypes=None, replacement_text="op(X, Y)",
+      example={"family": "expand_broadcast", "domain": {"X": "pos", "Y": "pos"}},
+      note="an Expand feeding a broadcasting op (in either operand) is done by the broadcast")
 
 # --- clipping -----------------------------------------------------------------------------------------
 
@@ -401,10 +402,17 @@ def _erf_argument_ok(m) -> bool:
 
 
 _GELU = op("Gelu")
-_simp("gelu_erf", Mul(Mul(X, _HALF_ERF), Fill(0.5)), _GELU(X), guard=_erf_argument_ok,
-      example={"family": "gelu"}, note="x·(1 + erf(x/√2))·0.5, BERT's GELU")
-_simp("gelu_erf_half_first", Mul(Mul(X, Fill(0.5)), _HALF_ERF), _GELU(X),
-      guard=_erf_argument_ok, example={"family": "gelu"}, note="0.5·x·(1 + erf(x/√2))")
+
+
+def _one(op_type: str, guard):
+    """Exactly one op of `op_type` matched (the two groupings below cannot both hold)."""
+    return lambda m: sum(o.op_type == op_type for o in m.ops) == 1 and guard(m)
+
+
+# 0.5·x·E, grouped either (x·E)·0.5 or (x·0.5)·E (the root Mul matches in either order).
+_simp("gelu_erf", Mul(alt(Mul(X, _HALF_ERF), Mul(X, Fill(0.5))), alt(Fill(0.5), _HALF_ERF)),
+      _GELU(X), guard=_one("Erf", _erf_argument_ok), example={"family": "gelu"},
+      note="x·(1 + erf(x/√2))·0.5, BERT's GELU")
 
 _CUBE = alt(Pow(X, Fill(3)), Mul(Mul(X, X), X))
 _TANH = Add(Tanh(Mul(Add(X, Mul(_CUBE, Var("k1", "const"))), Var("k2", "const"))), Fill(1))
@@ -416,8 +424,7 @@ def _tanh_constants_ok(m) -> bool:
             and abs(k2 - math.sqrt(2 / math.pi)) <= 1e-6)
 
 
-_simp("gelu_tanh", Mul(Mul(X, Fill(0.5)), _TANH), _GELU(X, approximate="tanh"),
-      guard=_tanh_constants_ok, example={"family": "gelu_tanh"},
+_simp("gelu_tanh", Mul(alt(Mul(X, _TANH), Mul(X, Fill(0.5))), alt(Fill(0.5), _TANH)),
+      _GELU(X, approximate="tanh"), guard=_one("Tanh", _tanh_constants_ok),
+      example={"family": "gelu_tanh"},
       note="0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))), GPT-2's GELU")
-_simp("gelu_tanh_half_last", Mul(Mul(X, _TANH), Fill(0.5)), _GELU(X, approximate="tanh"),
-      guard=_tanh_constants_ok, example={"family": "gelu_tanh"})

@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from kiln.ecg import Graph, Op, Tensor, toposort
 from kiln.ops import annotate
 from kiln.rewrite import shapes
-from kiln.rewrite.dsl import (BOOL, FLOAT, INTEGER, NUMERIC, UNSIGNED, Alt, Fill, Node, Rule, Term,
-                              Var)
+from kiln.rewrite.dsl import (BOOL, FLOAT, INTEGER, SYMMETRIC, UNSIGNED, Alt, Fill, Node, Rule,
+                              Term, Var)
 from kiln.rewrite.export import run_reference
 
 REDUCES = frozenset(shapes.REDUCE)
@@ -215,6 +215,8 @@ class Builder:
         if op_type.startswith("Bitwise") and not kinds <= {"i", "u"}:
             raise Skip(f"{op_type} needs integer operands")
         attrs = self.attrs(op_type, term, refs)
+        if len(refs) == 2 and (op_type in SYMMETRIC or term.any_order) and self.draw(st.booleans()):
+            refs.reverse()  # the pattern must match in either operand order
         while refs and refs[-1] is None:
             refs.pop()
         infos = [None if r is None else self.tensors[r] for r in refs]
