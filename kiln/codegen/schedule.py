@@ -17,11 +17,16 @@ class Schedule:
     parallel_min_iterations: int = 64
     # Loop splitting: split an inner loop whose index maps divide its variable (removes div/mod).
     split_loops: bool = True
-    # MatMul/Gemm/Einsum contractions: rows per register block, columns per accumulator tile.
-    matmul_tile_m: int = 4
-    matmul_tile_n: int = 256
-    # Convolution: output channels per block (each input row is reused that many times) and
-    # output-row tile width.
+    # MatMul/Gemm/Einsum/implicit-GEMM contractions: output tiles of rows × columns, each with its
+    # accumulators on the stack (32 × 64 floats: 8 KiB, in L1) and run by one thread; each B
+    # element is read once per row tile.
+    matmul_tile_m: int = 32
+    matmul_tile_n: int = 64
+    # Convolution: convs with at least this many output channels per group run as an implicit
+    # GEMM (vectorised over output channels); smaller ones (depthwise) as direct loops with blocks
+    # of `conv_tile_cout` output channels (each input row is reused that many times) and output
+    # rows tiled by `conv_tile_w`.
+    conv_gemm_min_cout: int = 16
     conv_tile_cout: int = 4
     conv_tile_w: int = 256
 

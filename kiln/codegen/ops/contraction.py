@@ -126,15 +126,17 @@ def _tile(n: int, limit: int) -> int:
 
 
 def _ikj(ctx: StageCtx, spec: Contraction, b_operand: BOperand) -> None:
+    """Output tiles of `matmul_tile_m` rows × `matmul_tile_n` columns in parallel; per tile,
+    accumulators on the stack and, for each k, a vectorised update of every row."""
     s = ctx.schedule
     mr = min(s.matmul_tile_m, spec.m)
     nb = _tile(spec.n, s.matmul_tile_n)
     row_blocks, col_blocks = -(-spec.m // mr), -(-spec.n // nb)
     bt = math.prod(spec.batch)
-    p = ctx.var("p", bt * row_blocks)
-    b, i0 = floordiv(p, row_blocks), mul(modulo(p, row_blocks), mr)
-    jb = ctx.var("jb", col_blocks)
-    j0 = mul(jb, nb)
+    tiles = bt * row_blocks * col_blocks
+    p = ctx.var("p", tiles)
+    b, rb, cb = Index((bt, row_blocks, col_blocks), flat=p).dims
+    i0, j0 = mul(rb, mr), mul(cb, nb)
     i_end = imin(add(i0, mr), iconst(spec.m))
     j_end = imin(add(j0, nb), iconst(spec.n))
     tile = ctx.name("acc")
@@ -162,10 +164,9 @@ def _ikj(ctx: StageCtx, spec: Contraction, b_operand: BOperand) -> None:
         return ctx.results({0: (spec.out(b, i, j), spec.finish(total, b, i, j))})
 
     k_loop = ir.Loop(k, iconst(0), iconst(spec.k), [over_tile(accumulate)])
-    tile_loop = ir.Loop(jb, iconst(0), iconst(col_blocks), [zero, k_loop, over_tile(epilogue)])
-    body = [ir.DeclArray(tile, spec.dtype, mr * nb), tile_loop]
+    body = [ir.DeclArray(tile, spec.dtype, mr * nb), zero, k_loop, over_tile(epilogue)]
     ctx.stage(f"contraction {ctx.op.op_type} ({ctx.op.id}), ikj",
-              [ir.Loop(p, iconst(0), iconst(bt * row_blocks), body, parallel=1)],
+              [ir.Loop(p, iconst(0), iconst(tiles), body, parallel=1)],
               bt * spec.m * spec.n * max(spec.k, 1))
     ctx.info.update(form="ikj", tile_m=mr, tile_n=nb)
 

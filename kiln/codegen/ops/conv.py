@@ -152,7 +152,54 @@ def conv_stage(ctx: StageCtx, weight: int, operands: Callable[[str, bool], ConvO
         geometry = Window(ctx.graph.tensors[source].shape[2:], geometry.out_size, geometry.kernel,
                           geometry.strides, geometry.dilations,
                           tuple(a + b for a, b in zip(geometry.pad_begin, extra)), geometry.pad_end)
-    _direct_conv(ctx, geometry, w_shape, operands(source, bool(extra)), group)
+    ops = operands(source, bool(extra))
+    if w_shape[0] // group >= ctx.schedule.conv_gemm_min_cout:
+        _implicit_gemm(ctx, geometry, w_shape, ops, group)
+    else:
+        _direct_conv(ctx, geometry, w_shape, ops, group)
+
+
+def _implicit_gemm(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: ConvOperands,
+                   group: int) -> None:
+    """The convolution as a matrix product per (image, group): rows are output pixels, columns
+    output channels, and the reduction runs over (input channel, kernel taps). The input element
+    of a (pixel, tap) pair — zero in the padding — is computed while reading the A operand (an
+    implicit im2col: nothing is copied), and the weights, read along output channels, are packed
+    at compile time when constant. The vectorised inner loop runs over output channels."""
+    out = ctx.out()
+    batch, channels = out.shape[0], ctx.graph.tensors[ops.x].shape[1]
+    cg, mg = channels // group, w_shape[0] // group
+    pixels = math.prod(w.out_size)
+    taps = math.prod(w.kernel)
+    in_shape = (batch, channels, *w.in_size)
+
+    def a_at(bi: Index, i: Expr, k: Expr) -> Expr:
+        n, g = bi.dims
+        c, *tap = Index((cg, *w.kernel), flat=k).dims
+        o = Index(w.out_size, flat=i).dims
+        positions = [tap_position(w, d, o[d], tap[d]) for d in range(len(tap))]
+        inside = const(True, BOOL)
+        for d, position in enumerate(positions):
+            inside = logical_and(inside, logical_and(index_compare("ge", position, 0),
+                                                     index_compare("lt", position, w.in_size[d])))
+        clamped = [clamp(position, 0, n_d - 1) for position, n_d in zip(positions, w.in_size)]
+        value = ops.read_x(Index(in_shape, dims=[n, add(mul(g, cg), c), *clamped]))
+        return select(inside, value, const(0, value.dtype))
+
+    def b_at(bi: Index, k: Expr, j: Expr) -> Expr:
+        (g,) = bi.dims
+        return ops.read_w(Index(w_shape, flat=add(mul(add(mul(g, mg), j), cg * taps), k)))
+
+    def out_index(b: Expr, i: Expr, j: Expr) -> Index:
+        n, g = Index((batch, group), flat=b).dims
+        return Index(out.shape, flat=add(mul(add(mul(n, group * mg), mul(g, mg), j), pixels), i))
+
+    def finish(total: Expr, b: Expr, i: Expr, j: Expr) -> Expr:
+        return ops.finish(total, add(mul(modulo(b, group), mg), j))
+
+    contraction(ctx, Contraction((batch, group), pixels, mg, cg * taps, (batch, group), (group,),
+                                 a_at, b_at, out_index, finish, ops.acc_dtype))
+    ctx.info["conv"] = "implicit GEMM"
 
 
 def _bias(ctx: StageCtx, position: int, total: Expr, m: Expr) -> Expr:
