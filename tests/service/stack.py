@@ -27,6 +27,16 @@ FAST = {"KILN_HEARTBEAT_SECONDS": "0.5", "KILN_STALE_AFTER_SECONDS": "4",
         "KILN_EVENTS_POLL_SECONDS": "0.1"}
 
 
+def _die_with_parent() -> None:
+    """SIGTERM to the child when the test process dies, however it dies (Linux)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -56,7 +66,8 @@ class Stack:
     def spawn(self, name: str, command: list[str]) -> subprocess.Popen:
         log = (self.folder / f"{name}.log").open("ab")
         process = subprocess.Popen(command, env=self.env, cwd=REPO, stdout=log, stderr=log,
-                                   stdin=subprocess.DEVNULL, start_new_session=True)
+                                   stdin=subprocess.DEVNULL, start_new_session=True,
+                                   preexec_fn=_die_with_parent)
         log.close()
         self.processes[name] = process
         return process
