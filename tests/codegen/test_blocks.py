@@ -75,7 +75,8 @@ def random_programs(draw):
     nodes, inits = [], {"axes": np.array([-1], np.int64)}
     for i in range(draw(st.integers(2, 12))):
         kind = draw(st.sampled_from(["unary", "binary", "binary", "transpose", "matmul",
-                                     "softmax", "reduce", "reshape"]))
+                                     "softmax", "reduce", "reshape", "gather", "concat", "expand",
+                                     "layernorm", "where"]))
         a, b = draw(st.sampled_from(tensors)), draw(st.sampled_from(tensors))
         out = f"t{i}"
         if kind == "unary":
@@ -94,6 +95,28 @@ def random_programs(draw):
             op = draw(st.sampled_from(["ReduceMean", "ReduceMax", "ReduceSum"]))
             nodes.append(helper.make_node(op, [a, "axes"], [f"{out}r"]))
             nodes.append(helper.make_node("Sub", [b, f"{out}r"], [out]))
+        elif kind == "gather":
+            inits[f"{out}i"] = np.array(draw(st.permutations(range(N))), np.int64)
+            nodes.append(helper.make_node("Gather", [a, f"{out}i"], [out],
+                                          axis=draw(st.sampled_from([0, 1]))))
+        elif kind == "concat":
+            cut = draw(st.integers(1, N - 1))
+            inits[f"{out}lo"], inits[f"{out}mid"] = np.array([0], np.int64), np.array([cut], np.int64)
+            inits[f"{out}hi"] = np.array([N], np.int64)
+            nodes.append(helper.make_node("Slice", [a, f"{out}lo", f"{out}mid"], [f"{out}p"]))
+            nodes.append(helper.make_node("Slice", [b, f"{out}mid", f"{out}hi"], [f"{out}q"]))
+            nodes.append(helper.make_node("Concat", [f"{out}p", f"{out}q"], [out], axis=0))
+        elif kind == "expand":
+            inits[f"{out}a"] = np.array([0], np.int64)
+            inits[f"{out}s"] = np.array([N, N], np.int64)
+            nodes.append(helper.make_node("ReduceSum", [a, f"{out}a"], [f"{out}r"]))
+            nodes.append(helper.make_node("Expand", [f"{out}r", f"{out}s"], [out]))
+        elif kind == "layernorm":
+            inits[f"{out}g"] = np.linspace(0.5, 1.5, N).astype(np.float32)
+            nodes.append(helper.make_node("LayerNormalization", [a, f"{out}g"], [out]))
+        elif kind == "where":
+            nodes.append(helper.make_node("Greater", [a, b], [f"{out}c"]))
+            nodes.append(helper.make_node("Where", [f"{out}c", a, b], [out]))
         else:
             inits[f"{out}s"] = np.array([N * N], np.int64)
             inits[f"{out}b"] = np.array([N, N], np.int64)
