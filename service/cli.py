@@ -364,8 +364,8 @@ def client_from(args: argparse.Namespace):
     settings = _settings()
     url = args.url or os.environ.get("KILN_URL") or settings.api_url
     key = args.api_key or os.environ.get("KILN_API_KEY")
-    if not key and settings.api_key_file.is_file():
-        key = settings.api_key_file.read_text().strip()
+    if not key and url == settings.api_url and settings.api_key_file.is_file():
+        key = settings.api_key_file.read_text().strip()  # only ever sent to the local service
     if not key:
         raise SystemExit("kiln: no API key: pass --api-key or set KILN_API_KEY (a local "
                          "`kiln serve` writes one to its data folder)")
