@@ -1,11 +1,13 @@
-"""Resize and Upsample: separable interpolation as index maps with compile-time tap tables.
+"""Resize, Upsample and GridSample: interpolation as index maps.
 
-Scales and sizes are constants (otherwise the output shape would depend on run-time values), so
+Resize/Upsample are separable, with compile-time tap tables: scales and sizes are constants (otherwise the output shape would depend on run-time values), so
 every resized axis's source coordinates are known when compiling: for each output position along
 the axis, a few taps (input index, weight) are computed here in float64, following the ONNX
 definition (coordinate transformation modes, nearest rounding modes, linear and cubic kernels,
 exclude_outside, antialiasing, tf_crop_and_resize extrapolation). An output element is then
 Σ over tap combinations of Π weights · x[taps] — nearest mode is a pure gather with no arithmetic.
+GridSample reads its sampling positions from the grid at run time and computes taps and weights
+in the expression (nearest, linear, cubic; zeros, border and reflection padding).
 """
 from __future__ import annotations
 
@@ -15,8 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from kiln.codegen.expr import (
-    BOOL, FLOAT_TYPES, INDEX, Expr, add, binary, call, cast, const, load, logical_or, make, mul,
-    select)
+    BOOL, FLOAT_TYPES, INDEX, Expr, add, binary, call, cast, clamp, const, index_compare, load,
+    logical_and, logical_or, make, mul, select)
 from kiln.codegen.indexing import Index
 from kiln.codegen.lower import InlineCtx
 from kiln.codegen.ops import inline
@@ -270,3 +272,125 @@ def _saturate(value: Expr, dtype: str) -> Expr:
     value = select(make("lt", BOOL, (value, lo)), lo, value)
     value = select(make("gt", BOOL, (value, hi)), hi, value)
     return cast(value, dtype)
+
+
+# --- GridSample --------------------------------------------------------------------------------------
+GRID_MODES = {"bilinear": "linear", "linear": "linear", "nearest": "nearest", "bicubic": "cubic",
+              "cubic": "cubic"}
+CUBIC_ALPHA = -0.75
+
+
+def _grid_check(op: Op, graph: Graph) -> str | None:
+    if op.attrs.get("mode", "linear") not in GRID_MODES:
+        return "unknown mode"
+    if graph.tensors[op.inputs[0]].dtype not in FLOAT_TYPES:
+        return "floating-point input only"
+    return None
+
+
+def _fconst(v: float, like: Expr) -> Expr:
+    return const(v, like.dtype)
+
+
+def _reflect(x: Expr, lo: float, hi: float) -> Expr:
+    """Reflect by the nearer border until inside [lo, hi] (the ONNX reference's rule)."""
+    span = hi - lo
+
+    def folded(distance: Expr, near: float, far: float) -> Expr:
+        turns = cast(binary("div", distance, _fconst(span, x)), "int32")
+        rest = binary("sub", distance, binary("mul", cast(turns, x.dtype), _fconst(span, x)))
+        even = make("eq", BOOL, (binary("mod_c", turns, const(2, "int32")), const(0, "int32")))
+        sign = 1.0 if near < far else -1.0
+        toward = binary("add", _fconst(near, x), binary("mul", _fconst(sign, x), rest))
+        back = binary("sub", _fconst(far, x), binary("mul", _fconst(sign, x), rest))
+        return select(even, toward, back)
+
+    below = folded(binary("sub", _fconst(lo, x), x), lo, hi)
+    above = folded(binary("sub", x, _fconst(hi, x)), hi, lo)
+    return select(make("lt", BOOL, (x, _fconst(lo, x))), below,
+                  select(make("gt", BOOL, (x, _fconst(hi, x))), above, x))
+
+
+def _cubic_weights(t: Expr) -> list[Expr]:
+    a = CUBIC_ALPHA
+
+    def c(v: float) -> Expr:
+        return _fconst(v, t)
+
+    def near(u: Expr) -> Expr:  # |u| <= 1
+        return binary("add", binary("mul", binary("mul", binary(
+            "sub", binary("mul", c(a + 2), u), c(a + 3)), u), u), c(1))
+
+    def far(u: Expr) -> Expr:  # 1 < |u| < 2
+        inner = binary("add", binary("mul", binary("sub", binary("mul", c(a), u), c(5 * a)), u),
+                       c(8 * a))
+        return binary("sub", binary("mul", inner, u), c(4 * a))
+
+    one_minus = binary("sub", c(1), t)
+    return [far(binary("add", t, c(1))), near(t), near(one_minus),
+            far(binary("add", one_minus, c(1)))]
+
+
+@inline("GridSample", check=_grid_check)
+def _grid_sample(ctx: InlineCtx, index: Index) -> Expr:
+    x_shape, grid_shape = ctx.shape(0), ctx.shape(1)
+    spatial = x_shape[2:]
+    rank = len(spatial)
+    mode = GRID_MODES[ctx.attr("mode", "linear")]
+    padding = ctx.attr("padding_mode", "zeros")
+    align = bool(ctx.attr("align_corners", 0))
+    n, ch, *o = index.dims
+    dtype = ctx.out.dtype
+    coords, borders = [], []
+    for i, size in enumerate(spatial):
+        g = cast(ctx.input(1, Index(grid_shape, dims=[n, *o, const(rank - 1 - i, "int64")])), dtype)
+        one = _fconst(1, g)
+        if align:
+            x = binary("mul", binary("div", binary("add", g, one), _fconst(2, g)), _fconst(size - 1, g))
+            lo, hi = 0.0, size - 1.0
+        else:
+            x = binary("div", binary("sub", binary("mul", binary("add", g, one), _fconst(size, g)), one),
+                       _fconst(2, g))
+            lo, hi = -0.5, size - 0.5
+        if mode == "nearest":
+            x = call("nearbyint", dtype, x)
+        outside = logical_or(make("lt", BOOL, (x, _fconst(lo, x))), make("gt", BOOL, (x, _fconst(hi, x))))
+        if padding == "border":
+            clamped = select(make("lt", BOOL, (x, _fconst(0, x))), _fconst(0, x),
+                             select(make("gt", BOOL, (x, _fconst(size - 1, x))), _fconst(size - 1, x), x))
+            x = select(outside, clamped, x)
+        elif padding == "reflection":
+            x = select(outside, _reflect(x, lo, hi), x)
+        coords.append(x)
+        borders.append((lo, hi))
+
+    def pixel(taps: list[Expr]) -> Expr:
+        inside, dims = const(True, BOOL), []
+        for tap, size, (lo, hi) in zip(taps, spatial, borders):
+            if padding == "zeros":
+                inside = logical_and(inside, logical_and(index_compare("ge", tap, 0),
+                                                         index_compare("lt", tap, size)))
+            elif padding == "reflection":
+                tap = cast(_reflect(cast(tap, dtype), lo, hi), "int64")
+            dims.append(clamp(tap, 0, size - 1))
+        value = ctx.input(0, Index(x_shape, dims=[n, ch, *dims]))
+        return select(inside, value, const(0, dtype)) if padding == "zeros" else value
+
+    if mode == "nearest":
+        return pixel([cast(cast(x, "int32"), "int64") for x in coords])
+    offsets = (0, 1) if mode == "linear" else (-1, 0, 1, 2)
+    bases, weights = [], []
+    for x in coords:
+        base = call("floor", dtype, x)
+        t = binary("sub", x, base)
+        bases.append(cast(cast(base, "int32"), "int64"))
+        weights.append([binary("sub", _fconst(1, t), t), t] if mode == "linear" else _cubic_weights(t))
+    total: Expr | None = None
+    for combo in np.ndindex(*([len(offsets)] * rank)):
+        weight: Expr | None = None
+        for w_list, k in zip(weights, combo):
+            weight = w_list[k] if weight is None else binary("mul", weight, w_list[k])
+        taps = [add(base, offsets[k]) for base, k in zip(bases, combo)]
+        term = binary("mul", weight, pixel(taps))
+        total = term if total is None else binary("add", total, term)
+    return total
