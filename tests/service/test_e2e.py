@@ -249,3 +249,33 @@ def test_openapi_documents_the_api(embedded):
             "/v1/jobs/{job_id}/report"} <= set(spec["paths"])
     assert "application/octet-stream" in \
         spec["paths"]["/v1/models"]["post"]["requestBody"]["content"]
+
+
+def test_kiln_api_and_kiln_worker_commands(scaleout):
+    """The scale-out commands themselves: another `kiln api` and `kiln worker` join the service."""
+    from tests.service.stack import free_port
+
+    port = free_port()
+    scaleout.spawn("kiln-api", [sys.executable, "-m", "kiln.cli", "api", "--port", str(port)])
+    scaleout.spawn("kiln-worker", [sys.executable, "-m", "kiln.cli", "worker", "--name",
+                                   "extra@%h"])
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    while True:
+        try:
+            if httpx.get(f"{url}/v1/health", timeout=2).json()["database"] == "postgresql":
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, scaleout.log("kiln-api")
+        time.sleep(0.3)
+    while "ready" not in scaleout.log("kiln-worker"):
+        assert time.monotonic() < deadline, scaleout.log("kiln-worker")
+        time.sleep(0.3)
+    with KilnClient(url, scaleout.api_key) as client:
+        model = client.upload_model(ZOO / "resnet50.onnx")
+        jobs = [client.submit(model["id"], partitioner=p) for p in ("none", "fixed", "dnnfusion")]
+        for job in jobs:
+            assert client.wait(job["id"], timeout=JOB_TIMEOUT)["state"] == "succeeded"
+    scaleout.kill("kiln-worker", signal.SIGTERM)
+    scaleout.kill("kiln-api", signal.SIGTERM)
