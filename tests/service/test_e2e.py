@@ -279,3 +279,45 @@ def test_kiln_api_and_kiln_worker_commands(scaleout):
             assert client.wait(job["id"], timeout=JOB_TIMEOUT)["state"] == "succeeded"
     scaleout.kill("kiln-worker", signal.SIGTERM)
     scaleout.kill("kiln-api", signal.SIGTERM)
+
+
+def test_readme_main_command_serve_detach_submit_stop(tmp_path):
+    """`kiln serve --detach && kiln submit … --wait`, then `kiln serve --stop` ends everything."""
+    from tests.service.stack import FAST, free_port
+
+    env = {**os.environ, **FAST, "KILN_DATA_DIR": str(tmp_path / "data"),
+           "KILN_PORT": str(free_port()), "PYTHONPATH": str(REPO)}
+    for name in ("KILN_URL", "KILN_API_KEY", "KILN_DATABASE_URL", "KILN_BROKER_URL"):
+        env.pop(name, None)
+
+    def kiln(*args, timeout=300):
+        return subprocess.run([sys.executable, "-m", "kiln.cli", *args], env=env, cwd=tmp_path,
+                              capture_output=True, text=True, timeout=timeout)
+
+    started = kiln("serve", "--detach")
+    try:
+        assert started.returncode == 0, started.stderr
+        assert "running at" in started.stdout
+        pid = int((tmp_path / "data" / "serve.pid").read_text())
+        workers = _children(pid)
+        assert workers, "kiln serve started no worker"
+        done = kiln("submit", str(ZOO / "tinybert.onnx"), "--target", "host", "--wait")
+        assert done.returncode == 0, done.stderr
+        assert "kernels" in done.stdout and (tmp_path / "tinybert.kiln").is_file()
+        assert kiln("serve", "--detach").stdout.startswith("kiln serve: already running")
+    finally:
+        stopped = kiln("serve", "--stop")
+    assert stopped.returncode == 0 and "stopped" in stopped.stdout
+    deadline = time.monotonic() + 30
+    while any(_alive(p) for p in [pid, *workers]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in [pid, *workers])
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting for its parent to reap it counts as ended)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
