@@ -71,5 +71,5 @@ def registered() -> dict[str, OpLowering]:
 def _load() -> None:
     if not _REGISTRY:
         from kiln.codegen.ops import (  # noqa: F401  (each module registers its ops)
-            contraction, conv, elementwise, losses, movement, quantized, recurrent, resize, rotary,
-            rows, scan, scatter)
+            attention, contraction, conv, elementwise, losses, movement, quantized, recurrent,
+            resize, rotary, rows, scan, scatter)
