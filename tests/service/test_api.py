@@ -134,6 +134,18 @@ def test_key_in_x_api_key_header(api):
     assert response.status_code == 200 and response.json() == []
 
 
+def test_keys_are_stored_hashed(api):
+    from service.tenants.tables import ApiKey
+
+    _, settings, _, keys = api
+    with database(settings.database_url).read() as s:
+        rows = [(k.prefix, k.key_hash) for k in s.scalars(select(ApiKey))]
+    assert len(rows) == 2
+    stored = " ".join(f"{p} {h}" for p, h in rows)
+    for key in keys.values():
+        assert key not in stored and key.split("_")[2] not in stored
+
+
 def _model_id(client, name: str = "tinybert") -> str:
     return upload(client, (ZOO / f"{name}.onnx").read_bytes(), f"{name}.onnx").json()["id"]
 
