@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 from kiln.codegen import ir
-from kiln.codegen.expr import BOOL, FLOAT_TYPES, INT_TYPES, SIGNED_TYPES, Expr, is_mutable
+from kiln.codegen.expr import BOOL, FLOAT_TYPES, INT_TYPES, SIGNED_TYPES, Expr
 
 C_TYPES = {
     "float32": "float", "float64": "double", "bool": "uint8_t",
@@ -88,6 +88,13 @@ class _Scope:
         self.barrier = barrier
         self.lines: list[str] = []
         self.names: dict[Expr, str] = {}
+        # temporaries of values that read mutable state, valid until that state is written
+        self.mutable: dict[Expr, str] = {}
+
+    def written(self, names: set[str], depends: "dict[Expr, frozenset[str]]") -> None:
+        """State `names` changed: forget the temporaries that read it."""
+        for e in [e for e in self.mutable if depends[e] & names]:
+            del self.mutable[e]
 
     def lookup(self, e: Expr) -> str | None:
         scope: _Scope | None = self
@@ -105,8 +112,7 @@ class CEmitter:
         self.helpers: set[str] = set()
         self.counter = 0
         self.written: set[str] = set()  # buffers the current stage stores to
-        self.volatile: dict[Expr, bool] = {}  # does a node read mutable state?
-        self.local_memo: dict[Expr, str] = {}  # mutable-state temporaries of the current statement
+        self.depends: dict[Expr, frozenset[str]] = {}  # the mutable state each node reads
 
     # --- kernel -----------------------------------------------------------------------------
     def kernel(self, kernel: ir.KernelIR, comment: str) -> str:
@@ -136,14 +142,19 @@ class CEmitter:
     # --- stages and statements ---------------------------------------------------------------
     def stage(self, stage: ir.Stage) -> list[str]:
         self.written = {s.buffer for s in ir.iter_stmts(stage.body) if isinstance(s, ir.Store)}
-        self.volatile = {}
+        self.depends = {}
         scope = _Scope(None, set(), barrier=True)
         for stmt in stage.body:
             self.statement(stmt, scope)
         return ["{"] + _indent(scope.lines) + ["}"]
 
     def statement(self, stmt: ir.Stmt, scope: _Scope) -> None:
-        self.local_memo = {}
+        self._emit(stmt, scope)
+        changed = _writes(stmt)
+        if changed:
+            scope.written(changed, self.depends)
+
+    def _emit(self, stmt: ir.Stmt, scope: _Scope) -> None:
         if isinstance(stmt, ir.Loop):
             self.loop(stmt, scope)
         elif isinstance(stmt, ir.Let):
@@ -230,7 +241,7 @@ class CEmitter:
             return literal(e)
         if e.op in ("var", "local", "acc"):
             return e.name
-        if self._reads_mutable(e):
+        if self._state_read(e):
             return self._mutable_ref(e, scope)
         known = scope.lookup(e)
         if known is not None:
@@ -245,15 +256,16 @@ class CEmitter:
         return name
 
     def _mutable_ref(self, e: Expr, scope: _Scope) -> str:
-        """Nodes reading mutable state: computed where used, shared within one statement only."""
-        if e in self.local_memo:
-            return self.local_memo[e]
+        """Nodes reading mutable state: computed where used (never hoisted), shared by the
+        statements of the same scope until the state they read is written."""
+        if e in scope.mutable:
+            return scope.mutable[e]
         text = self.render(e, [self.ref(a, scope) for a in e.args])
         if e.op in ("lload", "load"):
             return text
         name = self._temp()
         scope.lines.append(f"const {C_TYPES[e.dtype]} {name} = {text};")
-        self.local_memo[e] = name
+        scope.mutable[e] = name
         return name
 
     def _temp(self) -> str:
@@ -261,12 +273,15 @@ class CEmitter:
         self.counter += 1
         return name
 
-    def _reads_mutable(self, e: Expr) -> bool:
-        known = self.volatile.get(e)
+    def _state_read(self, e: Expr) -> frozenset[str]:
+        """Names of the mutable state (accumulators, local arrays, buffers this stage writes)
+        that `e` reads."""
+        known = self.depends.get(e)
         if known is None:
-            known = (is_mutable(e) or (e.op == "load" and e.name in self.written)
-                     or any(self._reads_mutable(a) for a in e.args))
-            self.volatile[e] = known
+            own = {e.name} if (e.op in ("acc", "lload")
+                               or (e.op == "load" and e.name in self.written)) else set()
+            known = frozenset(own).union(*(self._state_read(a) for a in e.args))
+            self.depends[e] = known
         return known
 
     def _placement(self, e: Expr, scope: _Scope) -> _Scope:
@@ -364,6 +379,19 @@ class CEmitter:
         if name == "modpy":
             self.helpers.add(f"modc_{dtype}")
         self.helpers.add(f"{name}_{dtype}")
+
+
+def _writes(stmt: ir.Stmt) -> set[str]:
+    """Names of the mutable state a statement (with its nested statements) writes."""
+    names = set()
+    for s in ir.iter_stmts([stmt]):
+        if isinstance(s, (ir.Assign, ir.DeclAcc)):
+            names.add(s.acc.name)
+        elif isinstance(s, ir.ArrayStore):
+            names.add(s.name)
+        elif isinstance(s, ir.Store):
+            names.add(s.buffer)
+    return names
 
 
 def _render_sum(e: Expr, a: list[str]) -> str:

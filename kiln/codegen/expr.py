@@ -32,10 +32,6 @@ DTYPES = FLOAT_TYPES | INT_TYPES | {BOOL}
 Range = tuple[float, float]  # inclusive bounds; ±inf when unknown
 UNKNOWN: Range = (-math.inf, math.inf)
 
-# Ops whose value depends on mutable state (accumulators, local arrays, buffers the stage writes):
-# never shared between statements, never hoisted.
-MUTABLE_OPS = frozenset({"acc", "lload"})
-
 
 class Expr:
     """One interned node. `op` names the node kind, `args` are child nodes, `attr` is hashable data."""
@@ -549,9 +545,6 @@ def walk(roots: Iterable[Expr]) -> list[Expr]:
         stack.extend((a, False) for a in node.args if id(a) not in seen)
     return order
 
-
-def is_mutable(e: Expr) -> bool:
-    return any(f.op in MUTABLE_OPS for f in e.free)
 
 
 class NotEvaluable(Exception):

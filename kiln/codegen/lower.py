@@ -34,7 +34,7 @@ from typing import Callable
 import numpy as np
 
 from kiln.codegen import ir
-from kiln.codegen.expr import Expr, add, const, iconst, load, local, mul, var, walk
+from kiln.codegen.expr import Expr, add, array_load, const, iconst, load, local, mul, var, walk
 from kiln.codegen.indexing import Index
 from kiln.codegen.ops import lowering
 from kiln.codegen.passes import finish_stage
@@ -45,6 +45,7 @@ from kiln.plan import Block
 
 SCRATCH_ALIGN = 64
 MAX_ATTEMPTS = 256
+MAX_KEPT_ROW = 4096  # a row's phase values kept on the stack: up to 16 KiB of float32
 FLAT_PRESERVING = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity"})
 
 
@@ -384,6 +385,36 @@ class RowCtx(OpAccess):
                select_last: bool = False) -> Expr:
         return self.stage.add_phase(kind, dtype, body, select_last)
 
+    def reduce_kept(self, kind: str, dtype: str, body: Callable[[Point], Expr]
+                    ) -> tuple[Expr, Callable[[Point], Expr]]:
+        """A reduction whose element values later phases read again: kept in a stack array of
+        the row (rows up to MAX_KEPT_ROW elements; longer rows recompute them)."""
+        if self.view.reduced > MAX_KEPT_ROW:
+            return self.reduce(kind, dtype, body), body
+        row = self.stage.low.names("row")
+        result = self.stage.add_phase(kind, dtype, body, False, keep=row)
+        return result, lambda p: array_load(row, dtype, p.r)
+
+    def keep_input(self, i: int) -> bool:
+        """Is input i computed in the block by an expression worth keeping per row (a
+        transcendental call) rather than recomputing in later phases?"""
+        tensor = self.op.inputs[i]
+        producer = self.stage.low.producer.get(tensor)
+        if producer is None or tensor in self.stage.low.ready:
+            return False
+        probe = Point(self.stage, var(self.stage.low.names("probe"), max(self.view.reduced, 1)))
+        try:
+            value = self.input(i, probe)
+        except (NotFusable, NeedsBuffer):
+            return False
+        return any(e.op == "call" for e in walk([value]))
+
+    def share_row(self, i: int, values: Callable[[Point], Expr]) -> None:
+        """Later phases and the epilogue read input i at their element from `values`."""
+        tensor = self.op.inputs[i]
+        self.stage.rowvals[tensor] = values
+        self.stage.views[tensor] = self.view
+
     def row_output(self, pos: int, fn: Callable[[Point], Expr]) -> None:
         self.stage.rowvals[self.op.outputs[pos]] = fn
         self.stage.views[self.op.outputs[pos]] = self.view
@@ -424,9 +455,12 @@ class RowStage:
         return True
 
     def add_phase(self, kind: str, dtype: str, body: Callable[[Point], Expr],
-                  select_last: bool) -> Expr:
+                  select_last: bool, keep: str | None = None) -> Expr:
+        if keep is not None:
+            self.body.append(ir.DeclArray(keep, dtype, self.view.reduced))
         stmts, result = reduction_phase(self.low.names, self.view.reduced,
-                                        lambda r: Point(self, r), kind, dtype, body, select_last)
+                                        lambda r: Point(self, r), kind, dtype, body, select_last,
+                                        keep)
         self.body.extend(stmts)
         self.phases += 1
         return result
@@ -442,9 +476,11 @@ class RowStage:
                 t = low.graph.tensors[tensor]
                 index = point.view_index(self.views[tensor]).reshaped(t.shape)
                 row_stores.append(ir.Store(tensor, index.flat, point.builder.value(tensor, index)))
+                low.assigned.add(tensor)
         for tensor, held in self.reduced.items():
             if tensor in low.must_store:
                 row_stmts.append(ir.Store(tensor, self.o, held.get()))
+                low.assigned.add(tensor)
         for tensor in low.candidates():
             t = low.graph.tensors[tensor]
             if t.numel == self.view.outer * self.view.reduced:
@@ -468,9 +504,6 @@ class RowStage:
         kinds = "+".join(dict.fromkeys(op.op_type for op in self.ops))
         work = self.view.outer * self.view.reduced * (self.phases + 1)
         low.add_stage(f"row stage: {kinds} ({', '.join(op.id for op in self.ops)})", [loop], work)
-        for tensor in list(self.rowvals) + list(self.reduced):
-            if tensor in low.must_store:
-                low.assigned.add(tensor)
 
 
 def _try(make: Callable[[], ir.Stmt]) -> ir.Stmt | None:

@@ -20,7 +20,9 @@ COMBINE = {"sum": ("add", "+"), "prod": ("mul", "*")}
 
 def reduction_phase(names: Callable[[str], str], extent: int, point_at: Callable[[Expr], Any],
                     kind: str, dtype: str, body: Callable[[Any], Expr],
-                    select_last: bool) -> tuple[list[ir.Stmt], Expr]:
+                    select_last: bool, keep: str | None = None) -> tuple[list[ir.Stmt], Expr]:
+    """Statements of the phase and its finished value; `keep` names a local array that also
+    receives every element value."""
     if kind in ("argmax", "argmin"):
         return _arg_phase(names, extent, point_at, kind, dtype, body, select_last)
     r = var(names("r"), extent)
@@ -28,16 +30,17 @@ def reduction_phase(names: Callable[[str], str], extent: int, point_at: Callable
     assert x.dtype == dtype, (x.dtype, dtype)
     a = acc(names("acc"), dtype)
     result = local(names("s"), dtype)
+    kept = [ir.ArrayStore(keep, r, x)] if keep is not None else []
     if kind in COMBINE:
         op, clause = COMBINE[kind]
         init = const(0 if kind == "sum" else 1, dtype)
-        update = [ir.Assign(a, binary(op, a, x))]
+        update = kept + [ir.Assign(a, binary(op, a, x))]
         return [ir.DeclAcc(a, init),
                 ir.Loop(r, iconst(0), iconst(extent), update, simd=True, reductions=((clause, a),)),
                 ir.Let(result, a)], result
     assert kind in ("max", "min"), kind
     better = "gt" if kind == "max" else "lt"
-    update = [ir.Assign(a, select(make(better, BOOL, (x, a)), x, a))]
+    update = kept + [ir.Assign(a, select(make(better, BOOL, (x, a)), x, a))]
     stmts: list[ir.Stmt] = [ir.DeclAcc(a, const(_identity(kind, dtype), dtype))]
     reductions: tuple[tuple[str, Expr], ...] = ((kind, a),)
     finished: Expr = a

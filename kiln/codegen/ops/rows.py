@@ -77,6 +77,10 @@ def _reduce(rc: RowCtx) -> None:
         shift = select(cmp("eq", unary("abs", m), c(math.inf, m)), c(0, m), m)
         total = rc.reduce("sum", dtype, lambda p: exp(sub(x(p), shift)))
         result = add(fn("log", total), shift)
+    elif t == "ReduceSum" and rc.keep_input(0):
+        total, kept = rc.reduce_kept("sum", dtype, x)
+        rc.share_row(0, kept)
+        result = total
     else:
         term = {"ReduceL1": lambda p: unary("abs", x(p)),
                 "ReduceL2": lambda p: mul(x(p), x(p)),
@@ -161,11 +165,13 @@ def _softmax(rc: RowCtx) -> None:
                                           const(0, dtype)))
         return
     m = rc.reduce("max", dtype, x)
-    total = rc.reduce("sum", dtype, lambda p: exp(sub(x(p), m)))
     if rc.op.op_type == "Softmax":
+        total, exps = rc.reduce_kept("sum", dtype, lambda p: exp(sub(x(p), m)))
         inverse = div(c(1, total), total)
-        rc.row_output(0, lambda p: mul(exp(sub(x(p), m)), inverse))
-    else:
+        rc.row_output(0, lambda p: mul(exps(p), inverse))
+        return
+    total = rc.reduce("sum", dtype, lambda p: exp(sub(x(p), m)))
+    if rc.op.op_type == "LogSoftmax":
         shift = add(m, fn("log", total))
         rc.row_output(0, lambda p: sub(x(p), shift))
 
