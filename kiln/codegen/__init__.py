@@ -31,4 +31,6 @@ class Kernel:
     scratch_bytes: int = 0
 
 
-from kiln.codegen.generate import check_supported, generate, supported_ops  # noqa: E402
+from kiln.codegen.generate import check_supported as check_supported
+from kiln.codegen.generate import generate as generate
+from kiln.codegen.generate import supported_ops as supported_ops

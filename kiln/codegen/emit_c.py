@@ -82,7 +82,7 @@ def literal(e: Expr) -> str:
 
 
 class _Scope:
-    def __init__(self, parent: "_Scope | None", defines: set[Expr], barrier: bool = False):
+    def __init__(self, parent: _Scope | None, defines: set[Expr], barrier: bool = False):
         self.parent = parent
         self.defines = defines
         self.barrier = barrier
@@ -91,7 +91,7 @@ class _Scope:
         # temporaries of values that read mutable state, valid until that state is written
         self.mutable: dict[Expr, str] = {}
 
-    def written(self, names: set[str], depends: "dict[Expr, frozenset[str]]") -> None:
+    def written(self, names: set[str], depends: dict[Expr, frozenset[str]]) -> None:
         """State `names` changed: forget the temporaries that read it."""
         for e in [e for e in self.mutable if depends[e] & names]:
             del self.mutable[e]

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 
@@ -36,9 +37,9 @@ UNKNOWN: Range = (-math.inf, math.inf)
 class Expr:
     """One interned node. `op` names the node kind, `args` are child nodes, `attr` is hashable data."""
 
-    __slots__ = ("op", "dtype", "args", "attr", "_key", "_range", "_free", "__weakref__")
+    __slots__ = ("__weakref__", "_free", "_key", "_range", "args", "attr", "dtype", "op")
 
-    def __init__(self, op: str, dtype: str, args: tuple["Expr", ...], attr: Any):
+    def __init__(self, op: str, dtype: str, args: tuple[Expr, ...], attr: Any):
         self.op = op
         self.dtype = dtype
         self.args = args
@@ -73,7 +74,7 @@ class Expr:
         return self.attr[0]
 
     @property
-    def free(self) -> frozenset["Expr"]:
+    def free(self) -> frozenset[Expr]:
         """Loop variables, locals and mutable nodes this expression depends on."""
         if self._free is None:
             if self.op in ("var", "local", "acc"):
@@ -97,7 +98,7 @@ def _attr_text(attr: Any) -> str:
     return "[" + ",".join(str(a) for a in attr) + "]" if isinstance(attr, tuple) else f"[{attr}]"
 
 
-_INTERN: "weakref.WeakValueDictionary[tuple, Expr]" = weakref.WeakValueDictionary()
+_INTERN: weakref.WeakValueDictionary[tuple, Expr] = weakref.WeakValueDictionary()
 
 
 def make(op: str, dtype: str, args: Iterable[Expr] = (), attr: Any = None) -> Expr:

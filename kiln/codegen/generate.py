@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from kiln.codegen import Kernel
 from kiln.codegen.emit_c import CEmitter
@@ -14,7 +15,6 @@ from kiln.ecg import Graph
 from kiln.errors import UnsupportedOpsError
 from kiln.plan import Block, FusionPlan
 from kiln.target import Target
-
 
 # Ops the frontend always resolves before code generation (static shapes make them constants).
 RESOLVED_BY_FRONTEND = frozenset({"Constant", "Shape", "Size"})

@@ -10,13 +10,13 @@ an affine offset wherever it is one.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 from kiln.codegen.expr import Expr, delinearize, iconst, linearize
 
 
 class Index:
-    __slots__ = ("shape", "_dims", "_flat")
+    __slots__ = ("_dims", "_flat", "shape")
 
     def __init__(self, shape: Sequence[int], dims: Sequence[Expr] | None = None,
                  flat: Expr | None = None):
@@ -43,7 +43,7 @@ class Index:
     def key(self) -> tuple:
         return (self.shape, self.flat)
 
-    def reshaped(self, shape: Sequence[int]) -> "Index":
+    def reshaped(self, shape: Sequence[int]) -> Index:
         """The same element of the same buffer seen with another shape (Reshape and friends)."""
         shape = tuple(shape)
         if shape == self.shape:

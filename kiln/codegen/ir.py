@@ -6,8 +6,8 @@ expressions inside them are immutable interned DAGs (see `kiln.codegen.expr`).
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator, Union
 
 from kiln.codegen.expr import Expr
 
@@ -21,7 +21,7 @@ class Loop:
     var: Expr
     start: Expr
     stop: Expr
-    body: list["Stmt"]
+    body: list[Stmt]
     parallel: int = 0
     simd: bool = False
     reductions: tuple[tuple[str, Expr], ...] = ()
@@ -85,11 +85,11 @@ class Store:
 @dataclass(eq=False)
 class If:
     cond: Expr
-    body: list["Stmt"]
-    orelse: list["Stmt"] = field(default_factory=list)
+    body: list[Stmt]
+    orelse: list[Stmt] = field(default_factory=list)
 
 
-Stmt = Union[Loop, Let, DeclAcc, Assign, DeclArray, ArrayStore, Store, If]
+Stmt = Loop | Let | DeclAcc | Assign | DeclArray | ArrayStore | Store | If
 
 
 @dataclass(eq=False)

@@ -28,13 +28,24 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
 from kiln.codegen import ir
-from kiln.codegen.expr import Expr, add, array_load, const, iconst, load, local, mul, var, walk
+from kiln.codegen.expr import (
+    Expr,
+    add,
+    array_load,
+    const,
+    iconst,
+    load,
+    local,
+    mul,
+    var,
+    walk,
+)
 from kiln.codegen.indexing import Index
 from kiln.codegen.ops import lowering
 from kiln.codegen.passes import finish_stage
@@ -100,7 +111,7 @@ class Names:
 class Builder:
     """Element expressions of a block's tensors inside one stage."""
 
-    def __init__(self, low: "BlockLowering", provided: dict[str, Provided] | None = None):
+    def __init__(self, low: BlockLowering, provided: dict[str, Provided] | None = None):
         self.low = low
         self.provided = provided or {}
         self.memo: dict[tuple[str, Expr], Expr] = {}
@@ -183,7 +194,7 @@ class InlineCtx(OpAccess):
 class StageCtx(OpAccess):
     """What an anchor's lowering sees: operands, fresh names, scratch, and the epilogue."""
 
-    def __init__(self, low: "BlockLowering", op: Op, fused: dict[str, list[tuple[str, "Path"]]]):
+    def __init__(self, low: BlockLowering, op: Op, fused: dict[str, list[tuple[str, Path]]]):
         self.low = low
         self.op = op
         self.fused = fused
@@ -346,7 +357,7 @@ class Point:
     """A position (row o, element r) inside a row stage, with a builder that sees the row
     stage's results at that position."""
 
-    def __init__(self, stage: "RowStage", r: Expr):
+    def __init__(self, stage: RowStage, r: Expr):
         self.stage = stage
         self.o = stage.o
         self.r = r
@@ -364,7 +375,7 @@ class Point:
 class RowCtx(OpAccess):
     """What a row op's lowering sees: its view, reductions as phases, results per row/element."""
 
-    def __init__(self, stage: "RowStage", op: Op, view: RowView):
+    def __init__(self, stage: RowStage, op: Op, view: RowView):
         self.stage = stage
         self.op = op
         self.view = view
@@ -425,7 +436,7 @@ class RowCtx(OpAccess):
 
 
 class RowStage:
-    def __init__(self, low: "BlockLowering", op: Op):
+    def __init__(self, low: BlockLowering, op: Op):
         self.low = low
         self.view: RowView = lowering(op.op_type).view(op, low.graph)
         self.o = var(low.names("o"), self.view.outer)
@@ -484,16 +495,12 @@ class RowStage:
         for tensor in low.candidates():
             t = low.graph.tensors[tensor]
             if t.numel == self.view.outer * self.view.reduced:
-                index = point.view_index(self.view).reshaped(t.shape)
-                stmt = _try(lambda: ir.Store(tensor, index.flat, point.builder.value(tensor, index)))
-                target = row_stores
+                index, builder, target = point.view_index(self.view).reshaped(t.shape), point.builder, row_stores
             elif t.numel == self.view.outer:
-                index = Index(t.shape, flat=self.o)
-                stmt = _try(lambda: ir.Store(tensor, self.o, Point(self, iconst(0)).builder.value(
-                    tensor, index)))
-                target = row_stmts
+                index, builder, target = Index(t.shape, flat=self.o), Point(self, iconst(0)).builder, row_stmts
             else:
                 continue
+            stmt = _try_store(builder, tensor, index)
             if stmt is not None:
                 target.append(stmt)
                 low.assigned.add(tensor)
@@ -506,9 +513,10 @@ class RowStage:
         low.add_stage(f"row stage: {kinds} ({', '.join(op.id for op in self.ops)})", [loop], work)
 
 
-def _try(make: Callable[[], ir.Stmt]) -> ir.Stmt | None:
+def _try_store(builder: Builder, tensor: str, index: Index) -> ir.Stmt | None:
+    """The store of `tensor` at `index` computed by `builder`, or None if it cannot be."""
     try:
-        return make()
+        return ir.Store(tensor, index.flat, builder.value(tensor, index))
     except (NotFusable, NeedsBuffer):
         return None
 

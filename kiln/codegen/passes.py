@@ -9,10 +9,10 @@ affine function of the loop variables, which the C compiler strength-reduces to 
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from kiln.codegen import ir
-from kiln.codegen.expr import add, iconst, mul, substitute, var, walk
+from kiln.codegen.expr import Expr, add, iconst, mul, substitute, var, walk
 from kiln.codegen.schedule import Schedule
 
 MAX_SPLITS_PER_LOOP = 8
@@ -40,13 +40,16 @@ def drop_unit_loops(body: list[ir.Stmt]) -> list[ir.Stmt]:
         for block in ir.children(stmt):
             block[:] = drop_unit_loops(block)
         if isinstance(stmt, ir.Loop) and stmt.static_extent == 1:
-            memo: dict = {}
-            mapping = {stmt.var: stmt.start}
-            ir.map_exprs(stmt.body, lambda e: substitute(e, mapping, memo))
+            ir.map_exprs(stmt.body, _substitution({stmt.var: stmt.start}))
             result.extend(stmt.body)
         else:
             result.append(stmt)
     return result
+
+
+def _substitution(mapping: dict[Expr, Expr]) -> Callable[[Expr], Expr]:
+    memo: dict[Expr, Expr] = {}
+    return lambda e: substitute(e, mapping, memo)
 
 
 def _innermost(loop: ir.Loop) -> bool:
@@ -63,9 +66,7 @@ def _split(loop: ir.Loop, names: Callable[[str], str]) -> None:
             return
         base = loop.var.name.rstrip("0123456789")
         outer, inner_var = var(names(base), extent // factor), var(names(base), factor)
-        memo: dict = {}
-        mapping = {loop.var: add(mul(outer, factor), inner_var)}
-        ir.map_exprs(loop.body, lambda e: substitute(e, mapping, memo))
+        ir.map_exprs(loop.body, _substitution({loop.var: add(mul(outer, factor), inner_var)}))
         inner = ir.Loop(inner_var, iconst(0), iconst(factor), loop.body, simd=loop.simd,
                         reductions=loop.reductions)
         loop.var, loop.stop, loop.body = outer, iconst(extent // factor), [inner]

@@ -7,13 +7,27 @@ element as the start, strict comparison, so ties and NaNs resolve as in onnxrunt
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from kiln.codegen import ir
 from kiln.codegen.expr import (
-    BOOL, FLOAT_TYPES, INDEX, Expr, acc, binary, cast, const, iconst, local, make, select, var)
+    BOOL,
+    FLOAT_TYPES,
+    INDEX,
+    Expr,
+    acc,
+    binary,
+    cast,
+    const,
+    iconst,
+    local,
+    make,
+    select,
+    var,
+)
 
 COMBINE = {"sum": ("add", "+"), "prod": ("mul", "*")}
 

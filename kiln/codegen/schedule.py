@@ -5,8 +5,9 @@ chosen for 2–16 core CPUs with 128–512-bit vectors and 1–2 MB of L2.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any, Mapping
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,7 @@ class Schedule:
     conv_tile_cout: int = 4
     conv_tile_w: int = 256
 
-    def merged(self, overrides: Mapping[str, Any] | None) -> "Schedule":
+    def merged(self, overrides: Mapping[str, Any] | None) -> Schedule:
         if not overrides:
             return self
         known = {f.name for f in fields(self)}

@@ -12,7 +12,6 @@ import argparse
 import sys
 import traceback
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 import onnx

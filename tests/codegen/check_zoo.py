@@ -56,7 +56,7 @@ def check(path: Path, partitioners: list[str]) -> bool:
         start = time.perf_counter()
         try:
             got = run_graph(graph, name, inputs)
-        except Exception as exc:  # report and go on with the next model
+        except Exception as exc:  # noqa: BLE001  (report it and go on with the next model)
             print(f"{path.stem:16s} {name:9s} FAILED: {type(exc).__name__}: {exc}"[:400])
             ok = False
             continue

@@ -2,15 +2,24 @@
 several outputs) and random DAGs cut into random blocks, against onnxruntime."""
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from onnx import helper
 
 from kiln import frontend
 from kiln.codegen import generate
 from kiln.plan.blocks import build_plan
 from kiln.target import host_target
-from tests.codegen.harness import assert_matches, model, random_inputs, reference, run_kernels
+from tests.codegen.harness import (
+    assert_matches,
+    model,
+    random_inputs,
+    reference,
+    run_kernels,
+)
 
 
 def run_with_groups(m, inputs, groups_of):
@@ -141,6 +150,6 @@ def test_random_dags_in_random_blocks(program):
     def groups(graph):
         ids = [op.id for op in graph.ops]
         bounds = [0] + [c for c in cuts if c < len(ids)] + [len(ids)]
-        return [ids[lo:hi] for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
+        return [ids[lo:hi] for lo, hi in itertools.pairwise(bounds) if hi > lo]
 
     run_with_groups(m, random_inputs(spec), groups)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from onnx import helper
 
 from tests.codegen.harness import check_model, model, random_inputs
@@ -21,7 +22,7 @@ def conv_cases(draw):
     dilations = [draw(st.integers(1, 2)) for _ in range(rank)]
     spatial = [draw(st.integers(max(1, (k - 1) * d + 1), 9)) for k, d in zip(kernel, dilations)]
     auto_pad = draw(st.sampled_from(["NOTSET", "NOTSET", "SAME_UPPER", "SAME_LOWER", "VALID"]))
-    attrs = dict(kernel_shape=kernel, strides=strides, group=group, auto_pad=auto_pad)
+    attrs = {"kernel_shape": kernel, "strides": strides, "group": group, "auto_pad": auto_pad}
     if auto_pad == "NOTSET":
         attrs["pads"] = [draw(st.integers(0, 2)) for _ in range(2 * rank)]
         attrs["dilations"] = dilations
@@ -75,10 +76,10 @@ def test_pad_folded_into_conv_and_swish():
 
 
 @pytest.mark.parametrize("attrs", [
-    dict(kernel_shape=[3, 3], strides=[2, 2]),
-    dict(kernel_shape=[3, 2], pads=[1, 0, 0, 1], strides=[2, 1], output_padding=[1, 0]),
-    dict(kernel_shape=[2, 2], strides=[2, 2], group=2, dilations=[1, 2]),
-    dict(kernel_shape=[3, 3], strides=[2, 2], auto_pad="SAME_UPPER"),
+    {"kernel_shape": [3, 3], "strides": [2, 2]},
+    {"kernel_shape": [3, 2], "pads": [1, 0, 0, 1], "strides": [2, 1], "output_padding": [1, 0]},
+    {"kernel_shape": [2, 2], "strides": [2, 2], "group": 2, "dilations": [1, 2]},
+    {"kernel_shape": [3, 3], "strides": [2, 2], "auto_pad": "SAME_UPPER"},
 ])
 def test_conv_transpose(attrs):
     rng = np.random.default_rng(3)
@@ -91,12 +92,12 @@ def test_conv_transpose(attrs):
 
 
 @pytest.mark.parametrize("op,attrs", [
-    ("MaxPool", dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])),
-    ("MaxPool", dict(kernel_shape=[2, 3], strides=[2, 2], ceil_mode=1, dilations=[2, 1])),
-    ("AveragePool", dict(kernel_shape=[3, 3], pads=[1, 1, 1, 1], count_include_pad=1)),
-    ("AveragePool", dict(kernel_shape=[3, 3], pads=[1, 1, 1, 1], strides=[2, 2], ceil_mode=1)),
-    ("AveragePool", dict(kernel_shape=[2, 2], auto_pad="SAME_UPPER")),
-    ("LpPool", dict(kernel_shape=[2, 2], p=3)),
+    ("MaxPool", {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}),
+    ("MaxPool", {"kernel_shape": [2, 3], "strides": [2, 2], "ceil_mode": 1, "dilations": [2, 1]}),
+    ("AveragePool", {"kernel_shape": [3, 3], "pads": [1, 1, 1, 1], "count_include_pad": 1}),
+    ("AveragePool", {"kernel_shape": [3, 3], "pads": [1, 1, 1, 1], "strides": [2, 2], "ceil_mode": 1}),
+    ("AveragePool", {"kernel_shape": [2, 2], "auto_pad": "SAME_UPPER"}),
+    ("LpPool", {"kernel_shape": [2, 2], "p": 3}),
 ])
 def test_pools(op, attrs):
     spec = {"x": ((2, 3, 7, 6), "float32")}

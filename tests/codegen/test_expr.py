@@ -5,11 +5,23 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kiln.codegen.expr import (
-    add, clamp, delinearize, evaluate_index, floordiv, iconst, linearize, modulo, mul, substitute,
-    var, walk)
+    add,
+    clamp,
+    delinearize,
+    evaluate_index,
+    floordiv,
+    iconst,
+    linearize,
+    modulo,
+    mul,
+    substitute,
+    var,
+    walk,
+)
 
 VARS = [var("a", 3), var("b", 4), var("c", 6)]
 

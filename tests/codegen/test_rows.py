@@ -10,7 +10,14 @@ from kiln import frontend
 from kiln.codegen import generate
 from kiln.plan.blocks import build_plan
 from kiln.target import host_target
-from tests.codegen.harness import assert_matches, check_model, model, random_inputs, reference, run_kernels
+from tests.codegen.harness import (
+    assert_matches,
+    check_model,
+    model,
+    random_inputs,
+    reference,
+    run_kernels,
+)
 
 REDUCE = ["ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2",
           "ReduceLogSum", "ReduceLogSumExp", "ReduceSumSquare"]

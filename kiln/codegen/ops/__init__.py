@@ -15,8 +15,9 @@ A lowering may also declare `check(op, graph) -> reason | None` for variants it 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from kiln.ecg import Graph, Op
 
@@ -71,5 +72,17 @@ def registered() -> dict[str, OpLowering]:
 def _load() -> None:
     if not _REGISTRY:
         from kiln.codegen.ops import (  # noqa: F401  (each module registers its ops)
-            attention, contraction, conv, elementwise, losses, movement, quantized, recurrent,
-            resize, rotary, rows, scan, scatter)
+            attention,
+            contraction,
+            conv,
+            elementwise,
+            losses,
+            movement,
+            quantized,
+            recurrent,
+            resize,
+            rotary,
+            rows,
+            scan,
+            scatter,
+        )

@@ -19,9 +19,32 @@ from onnx import helper
 
 from kiln.codegen import ir
 from kiln.codegen.expr import (
-    BOOL, FLOAT_TYPES, Expr, acc, add, array_load, as_index, binary, call, cast, const, floordiv,
-    iconst, imax, imin, index_compare, load, local, logical_and, logical_or, make, mul, select,
-    sub, var)
+    BOOL,
+    FLOAT_TYPES,
+    Expr,
+    acc,
+    add,
+    array_load,
+    as_index,
+    binary,
+    call,
+    cast,
+    const,
+    floordiv,
+    iconst,
+    imax,
+    imin,
+    index_compare,
+    load,
+    local,
+    logical_and,
+    logical_or,
+    make,
+    mul,
+    select,
+    sub,
+    var,
+)
 from kiln.codegen.indexing import Index
 from kiln.codegen.lower import StageCtx
 from kiln.codegen.ops import stage

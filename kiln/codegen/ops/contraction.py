@@ -16,15 +16,31 @@ scratch by a first loop nest (a prologue with arithmetic is evaluated there once
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
 from kiln.codegen import ir
 from kiln.codegen.expr import (
-    Expr, NotEvaluable, acc, add, array_load, binary, const, evaluate_index, iconst, imin, load,
-    modulo, floordiv, mul, sub, substitute, var)
+    Expr,
+    NotEvaluable,
+    acc,
+    add,
+    array_load,
+    binary,
+    const,
+    evaluate_index,
+    floordiv,
+    iconst,
+    imin,
+    load,
+    modulo,
+    mul,
+    sub,
+    substitute,
+    var,
+)
 from kiln.codegen.indexing import Index, broadcast
 from kiln.codegen.lower import StageCtx
 from kiln.codegen.ops import stage

@@ -14,15 +14,38 @@ Pools loop over their window's valid range per output element.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
-from kiln.codegen import ir
 import numpy as np
 
+from kiln.codegen import ir
 from kiln.codegen.expr import (
-    BOOL, FLOAT_TYPES, INDEX, Expr, acc, add, array_load, binary, cast, clamp, const, floordiv,
-    iconst, imax, imin, imul, index_compare, local, logical_and, make, modulo, mul, select, sub)
+    BOOL,
+    FLOAT_TYPES,
+    INDEX,
+    Expr,
+    acc,
+    add,
+    array_load,
+    binary,
+    cast,
+    clamp,
+    const,
+    floordiv,
+    iconst,
+    imax,
+    imin,
+    imul,
+    index_compare,
+    local,
+    logical_and,
+    make,
+    modulo,
+    mul,
+    select,
+    sub,
+)
 from kiln.codegen.indexing import Index
 from kiln.codegen.lower import StageCtx
 from kiln.codegen.ops import stage

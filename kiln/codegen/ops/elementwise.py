@@ -11,8 +11,21 @@ import math
 import numpy as np
 
 from kiln.codegen.expr import (
-    BOOL, FLOAT_TYPES, Expr, binary, call, cast, clamp, const, index_compare, logical_and,
-    logical_or, make, select, unary)
+    BOOL,
+    FLOAT_TYPES,
+    Expr,
+    binary,
+    call,
+    cast,
+    clamp,
+    const,
+    index_compare,
+    logical_and,
+    logical_or,
+    make,
+    select,
+    unary,
+)
 from kiln.codegen.expr import add as iadd
 from kiln.codegen.indexing import Index, broadcast
 from kiln.codegen.lower import InlineCtx

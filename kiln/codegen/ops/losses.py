@@ -8,12 +8,27 @@ log_prob output) — and then the loss from them, like NegativeLogLikelihoodLoss
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 from kiln.codegen import ir
 from kiln.codegen.expr import (
-    Expr, acc, add, as_index, binary, call, clamp, const, iconst, index_compare, load, local, mul,
-    select, unary, var)
+    Expr,
+    acc,
+    add,
+    as_index,
+    binary,
+    call,
+    clamp,
+    const,
+    iconst,
+    index_compare,
+    load,
+    local,
+    mul,
+    select,
+    unary,
+    var,
+)
 from kiln.codegen.indexing import Index
 from kiln.codegen.lower import StageCtx
 from kiln.codegen.ops import stage

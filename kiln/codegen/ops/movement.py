@@ -9,8 +9,23 @@ elements (Pad, Concat, ...) read a clamped, always-valid position and select.
 from __future__ import annotations
 
 from kiln.codegen.expr import (
-    BOOL, Expr, add, as_index, cast, clamp, const, floordiv, iconst, index_compare,
-    logical_and, make, modulo, mul, select, sub)
+    BOOL,
+    Expr,
+    add,
+    as_index,
+    cast,
+    clamp,
+    const,
+    floordiv,
+    iconst,
+    index_compare,
+    logical_and,
+    make,
+    modulo,
+    mul,
+    select,
+    sub,
+)
 from kiln.codegen.indexing import Index, broadcast, permuted
 from kiln.codegen.lower import InlineCtx
 from kiln.codegen.ops import inline

@@ -9,7 +9,20 @@ import numpy as np
 from onnx import helper
 
 from kiln.codegen.expr import (
-    BOOL, FLOAT_TYPES, Expr, add, binary, call, cast, const, floordiv, iconst, make, mul, select)
+    BOOL,
+    FLOAT_TYPES,
+    Expr,
+    add,
+    binary,
+    call,
+    cast,
+    const,
+    floordiv,
+    iconst,
+    make,
+    mul,
+    select,
+)
 from kiln.codegen.indexing import Index
 from kiln.codegen.lower import InlineCtx, OpAccess, Point, RowCtx, RowView, StageCtx
 from kiln.codegen.ops import inline, row, stage

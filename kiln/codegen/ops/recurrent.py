@@ -8,13 +8,26 @@ past its length and zeroes its outputs there.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from kiln.codegen import ir
 from kiln.codegen.expr import (
-    BOOL, Expr, acc, add, as_index, binary, const, iconst, index_compare, load, local, make,
-    mul, select)
+    BOOL,
+    Expr,
+    acc,
+    add,
+    as_index,
+    binary,
+    const,
+    iconst,
+    index_compare,
+    load,
+    local,
+    make,
+    mul,
+    select,
+)
 from kiln.codegen.indexing import Index
 from kiln.codegen.lower import StageCtx
 from kiln.codegen.ops import stage

@@ -17,8 +17,24 @@ from dataclasses import dataclass
 import numpy as np
 
 from kiln.codegen.expr import (
-    BOOL, FLOAT_TYPES, INDEX, Expr, add, binary, call, cast, clamp, const, index_compare, load,
-    logical_and, logical_or, make, mul, select)
+    BOOL,
+    FLOAT_TYPES,
+    INDEX,
+    Expr,
+    add,
+    binary,
+    call,
+    cast,
+    clamp,
+    const,
+    index_compare,
+    load,
+    logical_and,
+    logical_or,
+    make,
+    mul,
+    select,
+)
 from kiln.codegen.indexing import Index
 from kiln.codegen.lower import InlineCtx
 from kiln.codegen.ops import inline
@@ -163,7 +179,7 @@ def axis_taps(spec: ResizeSpec, axis: int, rank: int, in_len: int, out_len: int)
     ratios = np.where(x == whole, 1.0, x - whole)
     coeffs = np.stack([_coefficients(spec, float(r), scale) for r in ratios])
     n = coeffs.shape[1]
-    pad = int(math.ceil(n / 2))
+    pad = math.ceil(n / 2)
     padded = x + pad
     p = np.floor(padded).astype(np.int64)
     frac = padded - p

@@ -3,7 +3,19 @@
 from __future__ import annotations
 
 from kiln.codegen.expr import (
-    FLOAT_TYPES, Expr, add, as_index, binary, clamp, floordiv, index_compare, modulo, mul, select, sub)
+    FLOAT_TYPES,
+    Expr,
+    add,
+    as_index,
+    binary,
+    clamp,
+    floordiv,
+    index_compare,
+    modulo,
+    mul,
+    select,
+    sub,
+)
 from kiln.codegen.indexing import Index
 from kiln.codegen.lower import InlineCtx
 from kiln.codegen.ops import inline

@@ -9,7 +9,16 @@ from __future__ import annotations
 import math
 
 from kiln.codegen.expr import (
-    FLOAT_TYPES, Expr, cast, const, floordiv, index_compare, modulo, select, unary)
+    FLOAT_TYPES,
+    Expr,
+    cast,
+    const,
+    floordiv,
+    index_compare,
+    modulo,
+    select,
+    unary,
+)
 from kiln.codegen.expr import add as iadd
 from kiln.codegen.expr import mul as imul
 from kiln.codegen.indexing import Index, broadcast

@@ -13,8 +13,25 @@ import numpy as np
 
 from kiln.codegen import ir
 from kiln.codegen.expr import (
-    BOOL, FLOAT_TYPES, INDEX, Expr, acc, add, as_index, binary, const, iconst, load, local,
-    logical_and, logical_or, make, mul, select, sub)
+    BOOL,
+    FLOAT_TYPES,
+    INDEX,
+    Expr,
+    acc,
+    add,
+    as_index,
+    binary,
+    const,
+    iconst,
+    load,
+    local,
+    logical_and,
+    logical_or,
+    make,
+    mul,
+    select,
+    sub,
+)
 from kiln.codegen.indexing import Index
 from kiln.codegen.lower import StageCtx
 from kiln.codegen.ops import stage
