@@ -1,4 +1,19 @@
-"""`generate`: a FusionPlan → one C kernel per block; `supported_ops` and `check_supported`."""
+"""`generate`: a FusionPlan → one C kernel per block; `supported_ops` and `check_supported`.
+
+The code generator, as a list of steps per block:
+
+1. `lower.BlockLowering` walks the block's data-flow tree (DNNFusion §4.4.1) and builds loop-nest
+   IR (`ir`): anchor stages (MatMul, Conv, pooling, ... with fused prologue and epilogue), row
+   stages (reductions and normalisations sharing rows, multi-phase), elementwise stages; every
+   other tensor is an inline expression (`expr`) composed through per-op index maps (`indexing`,
+   `ops/*`), so data movement inside a block is never a copy (§4.4.2).
+2. `passes.finish_stage` splits inner loops whose index maps divide them (strength reduction)
+   and picks the parallel loops, following the `schedule.Schedule` parameters.
+3. `emit_c.CEmitter` renders C with OpenMP, one temporary per common sub-expression at the
+   outermost loop where it is invariant.
+
+Kernels use Kiln's identifiers only (tensor ids, k<i>_ symbols): no model name reaches a source.
+"""
 from __future__ import annotations
 
 import re
