@@ -144,6 +144,15 @@ for _fname in ("Add", "Sub", "Mul", "Div"):
           note="one transpose of the result instead of one per operand")
 
 
+_comm("transpose_scale_inward", Mul(Transpose(X, name="t"), c), Transpose(Mul(X, c), like="t"),
+      guard=f.scalar("c"), enabling=True, example={"family": "move_scale"},
+      note="a scale moves before a transpose, toward a weight it can fold into")
+_comm("reshape_scale_inward", Mul(op("Reshape")(X, s, name="r"), c),
+      op("Reshape")(Mul(X, c), s, like="r"), guard=f.scalar("c"), enabling=True,
+      example={"family": "move_scale"},
+      note="a scale moves before a reshape, toward a weight it can fold into")
+
+
 def _perm(m) -> list[int]:
     node = m.op("t")
     rank = m.rank("A")

@@ -83,9 +83,10 @@ _dist("matmul_bias_scale_fold", Mul(Add(MatMul(X, Wc, name="mm"), b), c),
 
 
 def _gemm_scaled(m):
+    """Gemm(A, W⊙c', C⊙c): the products are ops on constants, folded when the rule applies."""
     vector = f.last_vector("c")(m)
-    weight = m.value("W") * (vector[:, None] if m.attr("g", "transB") and vector.ndim else vector)
-    args = [Var("A"), K(lambda m_: weight.astype(m_.dtype("W")), "W⊙c")]
+    scale = vector[:, None] if m.attr("g", "transB") and vector.ndim else vector
+    args = [Var("A"), Mul(Var("W"), K(lambda m_: scale.astype(m_.dtype("W")), "c"))]
     if m["C"] is not None:
         args.append(Mul(Var("C"), K(lambda m_: vector.astype(m_.dtype("C")), "vector(c)")))
     return Gemm(*args, like="g")
@@ -98,12 +99,12 @@ _dist("gemm_scale_fold", Mul(Gemm(A, Wc, Copt, name="g"), c), _gemm_scaled,
 
 
 def _conv_scaled(m):
-    rank = m.rank("W")
-    scale = f.channel("c", rank)(m)
-    args = [Var("X"), K(lambda m_: (m_.value("W") * scale).astype(m_.dtype("W")), "W⊙c")]
+    """Conv(X, W⊙c, b⊙c) with c per output channel (folded when the rule applies)."""
+    scale = f.channel("c", m.rank("W"))(m)
+    args = [Var("X"), Mul(Var("W"), K(lambda m_: scale.astype(m_.dtype("W")), "c"))]
     if m["b"] is not None:
-        args.append(K(lambda m_: (m_.value("b") * scale.reshape(-1)).astype(m_.dtype("b")),
-                      "b⊙c"))
+        args.append(Mul(Var("b"), K(lambda m_: scale.reshape(-1).astype(m_.dtype("b")),
+                                    "vector(c)")))
     return Conv(*args, like="conv")
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 import numpy as np
@@ -308,8 +309,9 @@ class Rule:
     def root_ops(self) -> tuple[str, ...]:
         return self.pattern.ops
 
-    @property
+    @cached_property
     def depth(self) -> int:
+        """Ops on the longest path from the root to a leaf."""
         return _depth(self.pattern)
 
     def describe(self) -> str:

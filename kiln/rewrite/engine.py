@@ -458,6 +458,7 @@ class Changes:
     touched: set[str] = field(default_factory=set)  # tensors whose producer or users changed
     added: list[str] = field(default_factory=list)  # new op ids
     removed: set[str] = field(default_factory=set)  # op ids
+    constant: set[str] = field(default_factory=set)  # tensors that became constant
 
 
 def apply(work: Work, m: Match, plan: Plan) -> Changes:
@@ -514,6 +515,7 @@ def apply(work: Work, m: Match, plan: Plan) -> Changes:
     changes.touched |= removed_inputs
     collect_garbage(work, removed_inputs | {ids[ph] for ph, t in plan.tensors.items()
                                             if t.is_constant}, changes)
+    changes.constant.update(became_constant)
     propagate_constants(work, became_constant, changes)
     return changes
 
@@ -576,6 +578,7 @@ def propagate_constants(work: Work, tensors: list[str], changes: Changes) -> Non
                 old = work.tensors[name]
                 work.set_tensor(replace(old, data=np.asarray(data, dtype=old.dtype)))
                 changes.touched.add(name)
+                changes.constant.add(name)
                 stack.append(name)
             collect_garbage(work, op.present_inputs(), changes)
 
@@ -740,7 +743,11 @@ class Engine:
             producer = work.producer.get(t)
             if producer is not None:
                 frontier.add(producer)
-            frontier.update(work.consumers.get(t, ()))
+            tensor = work.tensors.get(t)
+            if tensor is None or not tensor.is_constant or t in changes.constant:
+                # A constant's users do not change with it: it is only ever a leaf of a match,
+                # whose consumers do not matter (a weight shared by many layers stays quiet).
+                frontier.update(work.consumers.get(t, ()))
         frontier &= work.ops.keys()
         found = dict.fromkeys(frontier, 0)
         for distance in range(1, self.radius + 1):

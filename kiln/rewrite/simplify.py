@@ -242,10 +242,10 @@ def _inference_bn(m) -> bool:
 
 def _bn_into_conv(m):
     scale, shift = _bn_affine(m)
-    weight = m.value("W") * scale.reshape((-1,) + (1,) * (m.rank("W") - 1))
     bias = shift + (m.value("b") * scale if m["b"] is not None else 0)
     dtype = m.dtype("W")
-    return op("Conv")(X, K(lambda _: weight.astype(dtype), "W⊙scale"),
+    column = scale.reshape((-1,) + (1,) * (m.rank("W") - 1)).astype(dtype)
+    return op("Conv")(X, Mul(Wc, K(lambda _: column, "scale")),
                       K(lambda _: np.asarray(bias, dtype), "(b − mean)⊙scale + bias"), like="conv")
 
 
@@ -253,12 +253,13 @@ def _bn_into_gemm(m):
     scale, shift = _bn_affine(m)
     trans = m.attr("g", "transB")
     alpha, beta = float(m.attr("g", "alpha")), float(m.attr("g", "beta"))
-    weight = m.value("W") * (scale[:, None] if trans else scale) * alpha
-    bias = shift + (m.value("C") * beta * scale if m["C"] is not None else 0)
     dtype = m.dtype("W")
-    return Gemm(A, K(lambda _: weight.astype(dtype), "W⊙scale"),
-                K(lambda _: np.broadcast_to(np.asarray(bias, dtype), (m.out.shape[1],)).copy()
-                  if np.ndim(bias) <= 1 else np.asarray(bias, dtype), "(C − mean)⊙scale + bias"),
+    factor = ((scale[:, None] if trans else scale) * alpha).astype(dtype)
+    bias = shift + (m.value("C") * beta * scale if m["C"] is not None else 0)
+    if np.ndim(bias) <= 1:
+        bias = np.broadcast_to(np.asarray(bias), (m.out.shape[1],))
+    return Gemm(A, Mul(Wc, K(lambda _: factor, "alpha⊙scale")),
+                K(lambda _: np.asarray(bias, dtype), "(C − mean)⊙scale + bias"),
                 like="g", alpha=1.0, beta=1.0)
 
 
@@ -293,16 +294,16 @@ _simp("matmul_bias_to_gemm", Add(MatMul(X, W1), c), Gemm(X, W1, c),
 
 
 def _affine_into_gemm(m):
-    """Gemm(X⊙g + b, W, C) = Gemm(X, g[:, None]⊙W, C + b·W) (g, b along X's last axis)."""
-    g = f.last_vector("g")(m)
-    b = np.broadcast_to(f.last_vector("b")(m), (m.shape("W")[0],))
-    weight = m.value("W") * (g[:, None] if g.ndim else g)
-    shift = b @ m.value("W")
-    bias = shift if m["C"] is None else m.value("C") + shift
+    """Gemm(X⊙g + b, W, C) = Gemm(X, g[:, None]⊙W, C + b·W) (g, b along X's last axis); the
+    products are ops on constants, folded when the rule applies."""
     dtype = m.dtype("W")
+    g = f.last_vector("g")(m)
+    column = (g[:, None] if g.ndim else g).astype(dtype)
+    row = np.broadcast_to(f.last_vector("b")(m), (m.shape("W")[0],)).astype(dtype)
+    shift = MatMul(K(lambda _: row, "b"), Wc)
+    bias = shift if m["C"] is None else Add(Var("C"), shift)
     reshaped = X if "r" not in m.nodes else op("Reshape")(X, s, like="r")
-    return Gemm(reshaped, K(lambda _: weight.astype(dtype), "g⊙W"),
-                K(lambda _: np.asarray(bias, dtype), "C + b·W"), like="gm")
+    return Gemm(reshaped, Mul(K(lambda _: column, "g"), Wc), bias, like="gm")
 
 
 def _affine_gemm_ok(m) -> bool:

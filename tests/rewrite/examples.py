@@ -184,6 +184,11 @@ def transpose_pair(draw, rule, wild):
     return Plan(shapes={"A": base, "B": base}, attrs={"t1": {"perm": perm}, "t2": {"perm": other}})
 
 
+def move_scale(draw, rule, wild):
+    base = base_shape(draw, 1, 4)
+    return Plan(shapes={"X": base, "c": () if not wild else sub_shape(draw, base, True)})
+
+
 def transpose_chain(draw, rule, wild):
     base = base_shape(draw, 1, 4)
     plan = Plan(shapes={"X": base})
@@ -479,7 +484,7 @@ FAMILIES = {
     "reduce": reduce, "reduce_cast": reduce_cast, "argmax": argmax, "softmax": softmax,
     "reduce_transpose": reduce_transpose, "expand": expand, "expand_same": expand_same,
     "expand_broadcast": expand_broadcast, "gather": gather, "transpose_pair": transpose_pair,
-    "transpose_chain": transpose_chain, "movement": movement, "reorganize": reorganize,
+    "transpose_chain": transpose_chain, "move_scale": move_scale, "movement": movement, "reorganize": reorganize,
     "cast": cast, "where": where, "clip": clip, "matmul_chain": matmul_chain,
     "matmul_scale": matmul_scale, "matmul_pair": matmul_pair, "matmul_factor": matmul_factor,
     "matmul_bias": matmul_bias, "gemm": gemm, "conv": conv, "conv_pair": conv_pair,
