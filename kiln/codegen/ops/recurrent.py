@@ -253,7 +253,9 @@ def _update_loop(ctx: StageCtx, r: Recurrence, d: int, t: Expr, xw: str, gates: 
     q = ctx.var("q", r.batch * hidden)
     b, j = Index((r.batch, hidden), flat=q).dims
     h_prev = local(ctx.name("h"), dtype)
-    stmts: list[ir.Stmt] = [ir.Let(h_prev, load(h_state, dtype, q))]
+    valid = _valid(ctx, b, t)
+    reads_previous = r.kind == "GRU" or valid is not None
+    stmts: list[ir.Stmt] = [ir.Let(h_prev, load(h_state, dtype, q))] if reads_previous else []
 
     def pre(gate: int) -> Expr:
         return _preactivation(ctx, r, xw, gates, t, b, add(j, gate * hidden))
@@ -294,7 +296,6 @@ def _update_loop(ctx: StageCtx, r: Recurrence, d: int, t: Expr, xw: str, gates: 
         h_value = acts[0](pre(0))
     h_new = local(ctx.name("h"), dtype)
     stmts.append(ir.Let(h_new, h_value))
-    valid = _valid(ctx, b, t)
     keep_h = h_new if valid is None else select(valid, h_new, h_prev)
     stmts.append(ir.Store(h_state, q, keep_h))
     if c_state is not None:

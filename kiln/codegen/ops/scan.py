@@ -83,10 +83,12 @@ def _scan_nest(ctx: StageCtx, axis: int) -> ir.Loop:
     index = _at(shape, axis, line, position)
     op = "add" if ctx.op.op_type == "CumSum" else "mul"
     running = acc(ctx.name("acc"), out.dtype)
-    before = local(ctx.name("before"), out.dtype)
-    body: list[ir.Stmt] = [ir.Let(before, running),
-                           ir.Assign(running, binary(op, running, ctx.operand(0, index)))]
-    value = before if ctx.attr("exclusive", 0) else running
+    body: list[ir.Stmt] = []
+    value: Expr = running
+    if ctx.attr("exclusive", 0):
+        value = local(ctx.name("before"), out.dtype)
+        body.append(ir.Let(value, running))
+    body.append(ir.Assign(running, binary(op, running, ctx.operand(0, index))))
     body += ctx.results({0: (index, value)})
     identity = const(0 if op == "add" else 1, out.dtype)
     return ir.Loop(line, iconst(0), iconst(outer * inner),
