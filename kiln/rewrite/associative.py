@@ -115,7 +115,8 @@ _assoc("matmul_const_chain", MatMul(MatMul(X, W1c), W2c), MatMul(X, MatMul(W1c, 
 _assoc("matmul_scale_columns", Mul(MatMul(X, Wc, name="mm"), c),
        MatMul(X, Mul(Wc, K(f.last_vector("c"), "vector(c)"))),
        guard=f.all_of(_2D("W"), f.along_last("c", "mm")), example={"family": "matmul_scale"})
-_assoc("matmul_scale_rows", MatMul(Mul(X, c), Wc), MatMul(X, Mul(K(f.column("c"), "column(c)"), Wc)),
+_assoc("matmul_scale_rows", MatMul(Mul(X, c), Wc),
+       MatMul(X, Mul(K(f.column("c"), "column(c)"), Wc)),
        guard=f.all_of(_2D("W"), f.along_last("c", "X")), example={"family": "matmul_scale"})
 _assoc("matmul_scale_to_left", Mul(MatMul(A, B), c), MatMul(Mul(A, c), B),
        guard=f.scalar("c"), example={"family": "matmul_pair"},

@@ -132,7 +132,7 @@ _comm("gather_scale", Mul(Gather(T, I, name="gt"), c), Gather(Mul(T, _GATHERED),
 _comm("gather_shift", Add(Gather(T, I, name="gt"), c), Gather(Add(T, _GATHERED), I, like="gt"),
       guard=_gather_row_constant, example={"family": "gather"})
 
-# --- elementwise ops and permutations --------------------------------------------------------------
+# --- elementwise ops and permutations -------------------------------------------------------------
 
 _SAME_PERM = f.all_of(f.same_attrs("t1", "t2"), f.same_shape("A", "B"))
 for _fname in ("Add", "Sub", "Mul", "Div"):

@@ -14,7 +14,7 @@ from kiln.rewrite.dsl import (A, Add, B, C, Conv, Copt, Div, Exp, Fill, Gemm, K,
                               MatMul, Max, Min, Mul, Neg, Pow, ReduceL1, ReduceL2,
                               ReduceLogSumExp, ReduceMax, ReduceMean, ReduceMin, ReduceSum,
                               ReduceSumSquare, Softmax, Sub, Var, W1, W2, Wc, X, X1, X2, ax, b,
-                              b1, b2, bopt, c, c1, c2, rule, v)
+                              b1, b2, c, c1, c2, rule, v)
 
 TABLE4 = "Table 4"
 

@@ -201,7 +201,7 @@ b1, b2, a_, e_ = Var("b1", "const"), Var("b2", "const"), Var("a", "const"), Var(
 ax, ax1, ax2, s, s1, s2 = (Var(n, "param") for n in ("ax", "ax1", "ax2", "s", "s1", "s2"))
 Wc, W1c, W2c = Var("W", "const"), Var("W1", "const"), Var("W2", "const")
 Copt, bopt = Var("C", "opt"), Var("b", "opt")
-I, T = Var("I", "index"), Var("T", "const")
+I, T = Var("I", "index"), Var("T", "const")  # noqa: E741  (indices, a table)
 
 
 # --- the match a guard and a replacement see ----------------------------------------------------
@@ -264,7 +264,7 @@ class Match:
         return float(data.reshape(-1)[0]) if data is not None and data.size == 1 else None
 
     def aligned(self, name: str, rank: int) -> tuple[int, ...]:
-        """The shape of `name` right-aligned to `rank` dims (leading 1s), as broadcasting sees it."""
+        """The shape of `name` right-aligned to `rank` dims (leading 1s), as broadcasts see it."""
         shape = self.shape(name)
         return (1,) * (rank - len(shape)) + shape if len(shape) <= rank else shape
 
@@ -315,8 +315,8 @@ class Rule:
         return _depth(self.pattern)
 
     def describe(self) -> str:
-        target = self.replacement_text or (str(self.replacement) if isinstance(self.replacement, Term)
-                                           else "(computed)")
+        shown = str(self.replacement) if isinstance(self.replacement, Term) else "(computed)"
+        target = self.replacement_text or shown
         return f"{self.pattern}  ->  {target}"
 
 

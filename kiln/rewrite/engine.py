@@ -569,7 +569,7 @@ def propagate_constants(work: Work, tensors: list[str], changes: Changes) -> Non
                 continue
             in_bytes = sum(work.tensors[i].nbytes for i in op.present_inputs())
             out_bytes = sum(work.tensors[o].nbytes for o in op.outputs)
-            if out_bytes > frontend.FOLD_SMALL_BYTES and out_bytes > frontend.FOLD_MAX_GROWTH * in_bytes:
+            if out_bytes > max(frontend.FOLD_SMALL_BYTES, frontend.FOLD_MAX_GROWTH * in_bytes):
                 continue
             results = fold(work, op.op_type, op.inputs, op.attrs, len(op.outputs))
             work.remove_op(op.id)

@@ -59,7 +59,8 @@ def integer_scalar(*names: str) -> Guard:
     def check(m: Match) -> bool:
         for n in names:
             value = m.scalar(n)
-            if value is None or not math.isfinite(value) or value != round(value) or abs(value) > 64:
+            if value is None or not math.isfinite(value) or value != round(value) \
+                    or abs(value) > 64:
                 return False
         return True
     return check
@@ -96,7 +97,8 @@ def _all(m: Match, name: str, test) -> bool:
 
 # --- constants along axes ----------------------------------------------------------------------
 
-def constant_on(name: str, axes_of: Callable[[Match], tuple[int, ...] | None], rank_of: str) -> Guard:
+def constant_on(name: str, axes_of: Callable[[Match], tuple[int, ...] | None],
+                rank_of: str) -> Guard:
     """`name` has extent 1 on the given axes of `rank_of`'s rank (it is constant along them) and
     no more dims than `rank_of`."""
     def check(m: Match) -> bool:
@@ -178,5 +180,6 @@ def per_channel(name: str, out: str) -> Guard:
         if rank < 2 or m.rank(name) > rank:
             return False
         shape = m.aligned(name, rank)
-        return all(d == 1 for i, d in enumerate(shape) if i != 1) and shape[1] in (1, m.shape(out)[1])
+        channels = m.shape(out)[1]
+        return all(d == 1 for i, d in enumerate(shape) if i != 1) and shape[1] in (1, channels)
     return check

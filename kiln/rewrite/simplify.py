@@ -85,7 +85,7 @@ _simp("log_reducesum", Log(ReduceSum(X, ax, name="r")), op("ReduceLogSum")(X, ax
 _simp("log_reducesum_exp", Log(ReduceSum(op("Exp")(X), ax, name="r")),
       op("ReduceLogSumExp")(X, ax, like="r"), example={"family": "reduce"})
 
-# --- Sub/Neg normalization --------------------------------------------------------------------------
+# --- Sub/Neg normalization ------------------------------------------------------------------------
 
 _simp("sub_neg", Sub(A, Neg(B)), Add(A, B))
 _simp("add_neg", Add(A, Neg(B)), Sub(A, B))
@@ -95,7 +95,7 @@ _simp("sub_const_to_add", Sub(X, c), Add(X, Neg(c)), enabling=True,
 _simp("neg_mul_outward", Mul(Neg(A), B), Neg(Mul(A, B)), enabling=True,
       note="move a negation outward where it then cancels")
 
-# --- casts --------------------------------------------------------------------------------------------
+# --- casts ----------------------------------------------------------------------------------------
 
 _simp("cast_identity", Cast(X, name="k"), X, dtypes=None,
       guard=lambda m: m.dtype("X") == m.dtype("k"), example={"family": "cast"})
@@ -111,7 +111,7 @@ _simp("cast_cast", Cast(Cast(X, name="k1"), name="k2"),
       example={"family": "cast"},
       note="when the first cast is lossless, only the second matters")
 
-# --- data movement ------------------------------------------------------------------------------------
+# --- data movement --------------------------------------------------------------------------------
 
 
 def _order_preserved(m) -> bool:
@@ -186,7 +186,7 @@ _simp("expand_into_broadcast",
       example={"family": "expand_broadcast", "domain": {"X": "pos", "Y": "pos"}},
       note="an Expand feeding a broadcasting op (in either operand) is done by the broadcast")
 
-# --- clipping -----------------------------------------------------------------------------------------
+# --- clipping -------------------------------------------------------------------------------------
 
 Clip = op("Clip")
 _LO, _HI = Var("lo", "const"), Var("hi", "const")
@@ -327,7 +327,7 @@ _simp("affine_into_gemm_through_reshape",
       replacement_text="Gemm(Reshape(X), g⊙W, C + b·W)",
       note="GPT-2's LayerNorm → Reshape → Gemm")
 
-# --- decomposed ops that ONNX has as one op ----------------------------------------------------------
+# --- decomposed ops that ONNX has as one op -------------------------------------------------------
 # LayerNormalization (opset 17) and Gelu (opset 20): one op instead of nine or five to eight, one
 # kernel instead of two (the two reductions of a decomposed LayerNorm never fuse, Table 3: red).
 

@@ -263,6 +263,11 @@ def clip(draw, rule, wild):
 
 # --- contractions ---------------------------------------------------------------------------------
 
+def _random_vector(length: int):
+    """A parameter input: `length` values in [-1, 1) of the instance's dtype."""
+    return lambda builder, shape: builder.rng.uniform(-1, 1, length).astype(builder.dtype)
+
+
 def _batch(draw) -> tuple[int, ...]:
     return draw(st.sampled_from([(), (2,), (1, 2)]))
 
@@ -329,8 +334,8 @@ def gemm(draw, rule, wild):
         plan.shapes["A"] = (m, k)
         plan.shapes["c"] = () if not wild else draw(st.sampled_from([(), (k,), (m, 1)]))
     elif rule.name in ("gemm_scale_fold", "gemm_add_bias"):
-        plan.shapes["c"] = draw(st.sampled_from([(), (n,), (1, n)] + ([(m, 1), (m, n)]
-                                                                        if wild or rule.name == "gemm_add_bias" else [])))
+        extra = [(m, 1), (m, n)] if wild or rule.name == "gemm_add_bias" else []
+        plan.shapes["c"] = draw(st.sampled_from([(), (n,), (1, n)] + extra))
     else:
         plan.shapes["c"] = () if not wild else draw(st.sampled_from([(), (n,), (m, n)]))
     if draw(st.booleans()):
@@ -350,8 +355,7 @@ def conv(draw, rule, wild):
     plan = Plan(shapes={"X": (1, n_in, side, side), "W": (n_out, n_in, kernel, kernel)},
                 attrs={"Conv": attrs})
     has_bias = draw(st.booleans())
-    plan.params["b"] = (lambda builder, shape: builder.rng.uniform(-1, 1, n_out).astype(np.float32)) \
-        if has_bias else None
+    plan.params["b"] = _random_vector(n_out) if has_bias else None
     channel = [(), (n_out, 1, 1), (1, n_out, 1, 1)]
     if wild:
         channel += [(1, 1, side), (n_out, side, side)]
@@ -394,8 +398,7 @@ def batchnorm_gemm(draw, rule, wild):
     plan = Plan(shapes={"A": (m, k), "W": (n, k) if trans_b else (k, n)})
     plan.attrs["g"] = {"transB": int(trans_b), "alpha": draw(st.sampled_from([1.0, 0.5])),
                        "beta": draw(st.sampled_from([1.0, 2.0]))}
-    plan.params["C"] = (lambda builder, shape: builder.rng.uniform(-1, 1, n).astype(np.float32)) \
-        if draw(st.booleans()) else None
+    plan.params["C"] = _random_vector(n) if draw(st.booleans()) else None
     _bn_params(plan, draw, n)
     return plan
 
@@ -413,8 +416,7 @@ def affine_gemm(draw, rule, wild, reshape: bool = False):
     vector = [(k,), (), (1, k)] + ([(m, k), (m, 1)] if wild else [])
     plan = Plan(shapes={"X": (m, k), "W": (k, n), "g": draw(st.sampled_from(vector)),
                         "b": draw(st.sampled_from(vector))})
-    plan.params["C"] = (lambda builder, shape: builder.rng.uniform(-1, 1, n).astype(np.float32)) \
-        if draw(st.booleans()) else None
+    plan.params["C"] = _random_vector(n) if draw(st.booleans()) else None
     if reshape:
         batch = draw(st.integers(1, 3))
         plan.shapes["X"] = (batch, m, k)
@@ -442,7 +444,7 @@ def matmul_transposes(draw, rule, wild):
     return plan
 
 
-# --- decomposed ops ---------------------------------------------------------------------------------
+# --- decomposed ops -------------------------------------------------------------------------------
 
 def layernorm(draw, rule, wild):
     shape = base_shape(draw, 1, 3, 5)
@@ -484,7 +486,8 @@ FAMILIES = {
     "reduce": reduce, "reduce_cast": reduce_cast, "argmax": argmax, "softmax": softmax,
     "reduce_transpose": reduce_transpose, "expand": expand, "expand_same": expand_same,
     "expand_broadcast": expand_broadcast, "gather": gather, "transpose_pair": transpose_pair,
-    "transpose_chain": transpose_chain, "move_scale": move_scale, "movement": movement, "reorganize": reorganize,
+    "transpose_chain": transpose_chain, "move_scale": move_scale, "movement": movement,
+    "reorganize": reorganize,
     "cast": cast, "where": where, "clip": clip, "matmul_chain": matmul_chain,
     "matmul_scale": matmul_scale, "matmul_pair": matmul_pair, "matmul_factor": matmul_factor,
     "matmul_bias": matmul_bias, "gemm": gemm, "conv": conv, "conv_pair": conv_pair,

@@ -61,7 +61,8 @@ def base_shape(draw, min_rank: int = 0, max_rank: int = 3, max_side: int = 4) ->
 def values(rng: np.random.Generator, shape, dtype: str, domain: str) -> np.ndarray:
     kind = np.dtype(dtype).kind
     if domain == "wild":  # zeros, signs, fractions: what guards on constants must look at
-        return np.asarray(rng.choice([0.0, -1.0, 1.0, 0.5, -2.0, 2.5, 3.0], size=shape)).astype(dtype)
+        data = rng.choice([0.0, -1.0, 1.0, 0.5, -2.0, 2.5, 3.0], size=shape)
+        return np.asarray(data).astype(dtype)
     if kind == "b":
         return rng.random(shape) < 0.5
     if kind == "u":
