@@ -26,9 +26,9 @@ _assoc("recip_mul_recip", Mul(Recip(A), Recip(Mul(A, B))), Mul(Square(Recip(A)),
        source=TABLE4, example={"domain": {"A": "away", "B": "away"}},
        note="Table 4's form: same FLOPs there, A loaded once; see recip_mul_recip_merged")
 _assoc("recip_mul_recip_merged", Mul(Recip(A), Recip(Mul(A, B))), Recip(Mul(Square(A), B)),
-       source=TABLE4, example={"domain": {"A": "away", "B": "away"}},
-       note="Table 4's row regrouped under Kiln's costs, where Reciprocal costs 4 FLOPs: one "
-            "reciprocal instead of two")
+       source="Figure 2", example={"domain": {"A": "away", "B": "away"}},
+       note="Figure 2(a)'s form of the row, ((A⊙B)² ⊙ C)⁻¹: one reciprocal instead of two "
+            "(Reciprocal costs 4 FLOPs in Kiln's table)")
 _assoc("sqrt_mul_sqrt", Mul(Mul(A, Sqrt(B)), Mul(Sqrt(B), C)), Mul(Mul(A, B), C),
        source=TABLE4, example={"domain": {"B": "pos"}}, note="√B·√B = B for B ≥ 0")
 _assoc("abs_mul_abs", Mul(Mul(Abs(A), B), Abs(C)), Mul(Abs(Mul(A, C)), B), source=TABLE4,
