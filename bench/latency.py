@@ -53,7 +53,7 @@ def contenders(name: str, threads: int, work: Path) -> tuple[dict[str, Callable]
         out = work / f"{name}-{partitioner}.kiln"
         try:
             start = time.perf_counter()
-            compile_artifact(path, out, CompileOptions(partitioner), default_store())
+            compile_artifact(path, out, CompileOptions(partitioner=partitioner), default_store())
             print(f"  compiled {name} with {partitioner} in {time.perf_counter() - start:.1f} s",
                   file=sys.stderr)
             model = CompiledModel(open_artifact(out, work / "extracted"), threads)

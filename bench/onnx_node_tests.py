@@ -135,7 +135,7 @@ def _run_with(test_dir: Path, model: onnx.ModelProto, data_sets, partitioner: st
         out = work / f"{name}-{partitioner}-{index}.kiln"
         shapes = {n: a.shape for n, a in feeds.items()}
         try:
-            compile_artifact(path, out, CompileOptions(partitioner, shapes),
+            compile_artifact(path, out, CompileOptions(partitioner=partitioner, shapes=shapes),
                              default_store(":memory:"))
             got = CompiledModel(open_artifact(out, work / "extracted"), threads=1).run(**feeds)
         except KilnError as exc:
