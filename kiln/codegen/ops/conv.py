@@ -8,7 +8,8 @@ acc[c][x] += w · X[.., x·stride + kx·dilation − pad]. A constant-zero Pad i
 folded into its padding; any other non-trivial input prologue is packed into scratch once. A 1×1,
 stride-1, unpadded conv is a matrix product and uses the contraction lowering.
 
-ConvTranspose gathers: each output element sums the input elements whose stride grid hits it.
+ConvTranspose gathers: each output element sums the input elements whose stride grid hits it;
+Col2Im likewise sums the column entries of the blocks covering an image element (inline).
 Pools loop over their window's valid range per output element.
 """
 from __future__ import annotations
@@ -47,8 +48,8 @@ from kiln.codegen.expr import (
     sub,
 )
 from kiln.codegen.indexing import Index
-from kiln.codegen.lower import StageCtx
-from kiln.codegen.ops import stage
+from kiln.codegen.lower import InlineCtx, StageCtx
+from kiln.codegen.ops import inline, stage
 from kiln.codegen.ops.contraction import Contraction, contraction
 from kiln.ecg import Graph, Op
 
@@ -477,3 +478,41 @@ def _pool_result(ctx: StageCtx, w: Window, o: list[Expr], total: Expr, kind: str
             taps = sub(hi, lo)
         count = imul(count, taps)
     return binary("div", total, cast(count, total.dtype))
+
+
+# --- Col2Im -------------------------------------------------------------------------------------------
+def _col2im_check(op: Op, graph: Graph) -> str | None:
+    if not (graph.is_constant(op.inputs[1]) and graph.is_constant(op.inputs[2])):
+        return "image and block shapes must be constants"
+    return None
+
+
+@inline("Col2Im", check=_col2im_check)
+def _col2im(ctx: InlineCtx, index: Index) -> Expr:
+    """Each image element sums the column entries of the blocks that cover it: per kernel tap,
+    the block whose tap lands on the element, if the stride grid has one there."""
+    image = [int(v) for v in ctx.const(1).reshape(-1)]
+    kernel = [int(v) for v in ctx.const(2).reshape(-1)]
+    rank = len(image)
+    strides = ctx.attr("strides") or [1] * rank
+    dilations = ctx.attr("dilations") or [1] * rank
+    pads = ctx.attr("pads") or [0] * (2 * rank)
+    blocks = [(size + pads[d] + pads[rank + d] - dilations[d] * (kernel[d] - 1) - 1) // strides[d] + 1
+              for d, size in enumerate(image)]
+    n, ch, *x = index.dims
+    shape = ctx.shape(0)
+    dtype = ctx.out.dtype
+    total: Expr = const(0, dtype)
+    for tap in np.ndindex(*kernel):
+        hit, where = const(True, BOOL), []
+        for d, t in enumerate(tap):
+            numerator = sub(add(x[d], pads[d]), t * dilations[d])
+            block = floordiv(numerator, strides[d])
+            hit = logical_and(hit, logical_and(
+                index_compare("eq", modulo(numerator, strides[d]), 0),
+                logical_and(index_compare("ge", numerator, 0), index_compare("lt", block, blocks[d]))))
+            where.append(clamp(block, 0, blocks[d] - 1))
+        row = add(mul(ch, math.prod(kernel)), Index(tuple(kernel), dims=[iconst(t) for t in tap]).flat)
+        value = ctx.input(0, Index(shape, dims=[n, row, Index(tuple(blocks), dims=where).flat]))
+        total = binary("add", total, select(hit, value, const(0, dtype)))
+    return total

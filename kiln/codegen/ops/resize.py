@@ -410,3 +410,37 @@ def _grid_sample(ctx: InlineCtx, index: Index) -> Expr:
         term = binary("mul", weight, pixel(taps))
         total = term if total is None else binary("add", total, term)
     return total
+
+
+def _affine_check(op: Op, graph: Graph) -> str | None:
+    if not graph.is_constant(op.inputs[1]):
+        return "size must be a constant"
+    return None if graph.tensors[op.inputs[0]].dtype in FLOAT_TYPES else "floating-point theta only"
+
+
+@inline("AffineGrid", check=_affine_check)
+def _affine_grid(ctx: InlineCtx, index: Index) -> Expr:
+    """grid[n, *position, k] = Σ_j θ[n, k, j] · (x, y[, z], 1)_j over the normalised base grid."""
+    n, *position, k = index.dims
+    spatial = ctx.out.shape[1:-1]
+    align = ctx.attr("align_corners", 0)
+    dtype = ctx.out.dtype
+    theta_shape = ctx.shape(0)
+    coordinates = []
+    for p, size in zip(reversed(position), reversed(spatial)):  # x (width) first
+        i = cast(p, "float64")
+        if align:
+            step = 2.0 / (size - 1) if size > 1 else 0.0
+            value = binary("add", const(-1.0, "float64"), binary("mul", i, const(step, "float64")))
+        else:
+            value = binary("sub", binary("div", binary("add", binary("mul", i, const(2.0, "float64")),
+                                                       const(1.0, "float64")),
+                                         const(float(size), "float64")), const(1.0, "float64"))
+        coordinates.append(cast(value, dtype))
+    coordinates.append(const(1, dtype))
+    total: Expr | None = None
+    for j, coordinate in enumerate(coordinates):
+        theta = ctx.input(0, Index(theta_shape, dims=[n, k, const(j, "int64")]))
+        term = binary("mul", theta, coordinate)
+        total = term if total is None else binary("add", total, term)
+    return total
