@@ -466,7 +466,7 @@ def apply(work: Work, m: Match, plan: Plan) -> Changes:
     changes = Changes()
     root = m.root
     root_out = root.outputs[0]
-    base = work.key[root.id]
+    base = _position(work, m, plan)
     ids: dict[str, str] = {}
     for ph, tensor in plan.tensors.items():
         if tensor.is_constant:
@@ -518,6 +518,20 @@ def apply(work: Work, m: Match, plan: Plan) -> Changes:
     changes.constant.update(became_constant)
     propagate_constants(work, became_constant, changes)
     return changes
+
+
+def _position(work: Work, m: Match, plan: Plan) -> tuple[int, ...]:
+    """Where the replacement's ops go in the op order: where the first op it replaces was, when
+    everything they read is computed before that point (so the graph keeps its program order:
+    an op order the planner breaks ties by), else where the root was. A replacement's ops take
+    this key plus their index: no other op has a key extending the key of an op still present."""
+    first = min((work.key[op.id] for op in dead_ops(work, m, plan)), default=work.key[m.root.id])
+    for n in plan.new_ops:
+        for t in n.inputs:
+            producer = work.producer.get(t) if t is not None else None
+            if producer is not None and work.key[producer] >= first:
+                return work.key[m.root.id]
+    return first
 
 
 def fold(work: Work, op_type: str, inputs: Sequence[str | None], attrs: dict[str, Any],

@@ -266,3 +266,16 @@ def test_random_expressions_rewrite_to_equal_values_and_terminate(graph, seed):
 
 
 
+
+
+def test_replacements_keep_the_program_order():
+    """New ops go where the first op they replace was (the planner breaks ties by op order)."""
+    g = G()
+    x = g.input((4, 3))
+    biased = g.op("Add", g.op("MatMul", x, g.const(np.ones((3, 5)))), g.const(np.arange(5.0)))
+    other = g.op("Relu", x)
+    scaled = g.op("Mul", biased, g.const(np.full(5, 2.0)))
+    graph = g.graph(g.op("Add", scaled, g.op("ReduceSum", other, g.const([1], "int64"))))
+    result = rewrite(graph, [RULES["matmul_bias_scale_fold"]])
+    assert result.rules_fired == {"matmul_bias_scale_fold": 1}
+    assert [op.op_type for op in result.graph.ops] == ["MatMul", "Add", "Relu", "ReduceSum", "Add"]
