@@ -56,6 +56,7 @@ from kiln.plan import Block
 
 SCRATCH_ALIGN = 64
 MAX_ATTEMPTS = 256
+RENAMED_PREFIXES = {"t": "tt", "v": "vv"}  # t12 is a tensor id, v3 an emitter temporary
 MAX_KEPT_ROW = 4096  # a row's phase values kept on the stack: up to 16 KiB of float32
 FLAT_PRESERVING = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity"})
 
@@ -94,12 +95,14 @@ class Provided:
 
 
 class Names:
-    """Fresh C identifiers for one kernel: v, o, r, acc, ... with counters."""
+    """Fresh C identifiers for one kernel: v, o, r, acc, ... with counters. Tensor ids (t12) and
+    temporaries (v3) have their own prefixes, so generated names never take "t" or "v"."""
 
     def __init__(self) -> None:
         self.counts: dict[str, int] = {}
 
     def __call__(self, prefix: str) -> str:
+        prefix = RENAMED_PREFIXES.get(prefix, prefix)
         n = self.counts.get(prefix, 0)
         self.counts[prefix] = n + 1
         return f"{prefix}{n}"

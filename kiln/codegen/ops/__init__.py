@@ -85,4 +85,5 @@ def _load() -> None:
             rows,
             scan,
             scatter,
+            signal,
         )
