@@ -70,3 +70,12 @@ def test_quantize_roundtrip_and_qlinear_matmul():
              helper.make_node("QLinearMatMul", ["q", "s", "z", "b", "bs", "bz", "ys", "yz"], ["mm"]),
              helper.make_node("Cast", ["mm"], ["mmf"], to=TensorProto.FLOAT)]
     check_model(model(nodes, spec, ["dq", "pq", "mmf"], inits, opset=13), random_inputs(spec))
+
+
+@pytest.mark.parametrize("inverse,onesided", [(0, 0), (0, 1), (1, 0)])
+def test_dft_reading_a_graph_input(inverse, onesided):
+    """The input is tensor t0: generated loop names must not collide with tensor ids."""
+    spec = {"x": ((2, 8, 1 if onesided else 2), "float32")}
+    inits = {"axis": np.array(1, np.int64)}
+    nodes = [helper.make_node("DFT", ["x", "", "axis"], ["y"], inverse=inverse, onesided=onesided)]
+    check_model(model(nodes, spec, ["y"], inits, opset=20), random_inputs(spec), ["none"])
