@@ -131,3 +131,9 @@ def test_resize(mode, coordinates):
     nodes = [helper.make_node("Resize", ["x", "roi", "scales"], ["y"], mode=mode,
                               coordinate_transformation_mode=coordinates)]
     check_model(model(nodes, spec, ["y"], inits), random_inputs(spec))
+
+
+def test_upsample_with_scales_attribute():
+    spec = {"x": ((1, 2, 3, 4), "float32")}
+    nodes = [helper.make_node("Upsample", ["x"], ["y"], scales=[1.0, 1.0, 2.0, 3.0], mode="nearest")]
+    check_model(model(nodes, spec, ["y"], opset=7), random_inputs(spec))

@@ -79,6 +79,8 @@ def resize_spec(op: Op, graph: Graph) -> ResizeSpec:
     scales_at, roi_at, sizes_at = (1, None, None) if legacy else (2, 1, 3)
     axes = [axis_of(a, rank) for a in (op.attrs.get("axes") or range(rank))]
     given_scales = _const(op, graph, scales_at)
+    if given_scales is None and "scales" in op.attrs:  # Upsample-7 takes them as an attribute
+        given_scales = np.asarray(op.attrs["scales"], dtype=np.float32)
     sizes = _const(op, graph, sizes_at) if sizes_at else None
     scales = [1.0] * rank
     if given_scales is not None and given_scales.size:
