@@ -14,4 +14,4 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 python3 -m pip install -q --disable-pip-version-check -e ".[test,zoo,service]"
-exec python3 -m pytest -p no:cacheprovider "$@"
+exec python3 -m pytest -q -p no:cacheprovider "$@"
