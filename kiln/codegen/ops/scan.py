@@ -1,4 +1,5 @@
-"""Ops that walk an axis in order: CumSum/CumProd (prefix scans) and TopK (selection).
+"""Ops that walk data in order: CumSum/CumProd (prefix scans), TopK (selection) and Det
+(elimination).
 
 Both run one sequential walk per line along the axis, lines in parallel. TopK keeps the best k
 (value, index) pairs of a line in scratch, sorted, by passing each element down the list and
@@ -31,6 +32,8 @@ from kiln.codegen.expr import (
     mul,
     select,
     sub,
+    unary,
+    var,
 )
 from kiln.codegen.indexing import Index
 from kiln.codegen.lower import StageCtx
@@ -154,3 +157,60 @@ def _worst(dtype: str, largest: int) -> Expr:
     if info is None:
         return const(0 if largest else 1, dtype)
     return const(info.min if largest else info.max, dtype)
+
+
+@stage("Det")
+def _det(ctx: StageCtx) -> None:
+    """Determinants by Gaussian elimination with partial pivoting, one matrix per thread, on a
+    copy in scratch."""
+    shape, out = ctx.shape(0), ctx.out()
+    n = shape[-1]
+    matrices = out.numel
+    if matrices == 0:
+        return
+    dtype = out.dtype
+    work = ctx.scratch(dtype, matrices * n * n)
+    m = var(ctx.name("m"), matrices)
+
+    def at(row: Expr, col: Expr) -> Expr:
+        return add(mul(m, n * n), mul(row, n), col)
+
+    def element(row: Expr, col: Expr) -> Expr:
+        return load(work, dtype, at(row, col))
+
+    q = var(ctx.name("q"), n * n)
+    copy = ir.Loop(q, iconst(0), iconst(n * n),
+                   [ir.Store(work, add(mul(m, n * n), q),
+                             ctx.operand(0, Index(shape, flat=add(mul(m, n * n), q))))], simd=True)
+    det = acc(ctx.name("det"), dtype)
+    k = var(ctx.name("k"), n)
+    best, pivot_row = acc(ctx.name("best"), dtype), acc(ctx.name("piv"), INDEX)
+    i = var(ctx.name("i"), n)
+    magnitude = local(ctx.name("mag"), dtype)
+    wins = local(ctx.name("w"), BOOL)
+    search = ir.Loop(i, k, iconst(n), [
+        ir.Let(magnitude, make("abs", dtype, (element(i, k),))),
+        ir.Let(wins, make("gt", BOOL, (magnitude, best))),
+        ir.Assign(pivot_row, select(wins, i, pivot_row)),
+        ir.Assign(best, select(wins, magnitude, best))])
+    j = var(ctx.name("j"), n)
+    upper, lower = local(ctx.name("u"), dtype), local(ctx.name("l"), dtype)
+    swap = ir.Loop(j, iconst(0), iconst(n), [
+        ir.Let(upper, element(k, j)), ir.Let(lower, element(pivot_row, j)),
+        ir.Store(work, at(k, j), lower), ir.Store(work, at(pivot_row, j), upper)])
+    pivot = local(ctx.name("pivot"), dtype)
+    r, c = var(ctx.name("r"), n), var(ctx.name("c"), n)
+    factor = local(ctx.name("f"), dtype)
+    eliminate = ir.Loop(r, add(k, 1), iconst(n), [
+        ir.Let(factor, binary("div", element(r, k), pivot)),
+        ir.Loop(c, k, iconst(n), [ir.Store(work, at(r, c), binary(
+            "sub", element(r, c), binary("mul", factor, element(k, c))))], simd=True)])
+    step = ir.Loop(k, iconst(0), iconst(n), [
+        ir.DeclAcc(best, const(-1, dtype)), ir.DeclAcc(pivot_row, k), search, swap,
+        ir.Assign(det, select(make("ne", BOOL, (pivot_row, k)), unary("neg", det), det)),
+        ir.Let(pivot, element(k, k)), ir.Assign(det, binary("mul", det, pivot)),
+        ir.If(make("ne", BOOL, (pivot, const(0, dtype))), [eliminate])])
+    body = [copy, ir.DeclAcc(det, const(1, dtype)), step,
+            *ctx.results({0: (Index(out.shape, flat=m), det)})]
+    ctx.stage(f"Det ({ctx.op.id})", [ir.Loop(m, iconst(0), iconst(matrices), body, parallel=1)],
+              matrices * n * n * n)
