@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from dataclasses import replace
 
 import numpy as np
@@ -222,3 +223,14 @@ def test_a_block_of_reorganize_ops_is_a_view_not_a_kernel():
     plan = partitioner("none")(graph, RandomLatencies(0))
     assert [b.is_view for b in plan.blocks] == [True, False]
     assert len(plan.blocks) == 2 and plan.kernels == 1
+
+
+def test_stacked_recurrent_layers_share_a_kernel():
+    from kiln import frontend
+    graph = frontend.load(Path(__file__).parent / "fixtures" / "zoo" / "lstm.onnx")
+    assert [op.op_type for op in graph.ops] == ["LSTM", "Squeeze", "LSTM", "Squeeze"]
+    stacked = partitioner("dnnfusion")(graph, RandomLatencies(0))
+    assert stacked.kernels == 1 and len(stacked.blocks) == 1
+    assert "yellow: stacked recurrent layers" in {d.reason for d in stacked.decisions if d.fused}
+    paper = DNNFusion(Constraints(relax_red=False))(graph, RandomLatencies(0))
+    assert paper.kernels == 2  # each LSTM alone; the Squeezes are views

@@ -18,6 +18,9 @@ nest thrashes registers and cache) does not hold:
     feed-forward MatMuls (FusionStitching's stitching of row-local kernels). The B operands every
     row tile re-reads must fit `tile_operand_bytes` (the L2), or the re-reads cost more than the
     intermediate results they save;
+  * stacked recurrent layers: an LSTM/GRU/RNN reading another one's output sequence (through
+    views) runs in the same kernel, the sequence in scratch memory instead of a round trip; a
+    block with a recurrent op holds only recurrent ops and views;
   * tiny intermediates: when every tensor passed between the block and the op fits in
     `tiny_bytes`, the kernel keeps it in a small scratch buffer (squeeze-and-excite chains:
     GlobalAveragePool → 1×1 Conv → 1×1 Conv on [1, C, 1, 1]).
@@ -80,7 +83,7 @@ class _Planning:
     def run(self, name: str) -> FusionPlan:
         while (seed := self.next_seed()) is not None:
             self.block, self.mapping = {seed.id}, seed.mapping
-            if not _is_opaque(seed):
+            if not _is_opaque(seed) or seed.op_type in RECURRENT_OPS:
                 for successor in self.graph.successors(seed):
                     self.fuse_successor(successor)
                 for predecessor in self.graph.predecessors(seed):
@@ -148,11 +151,13 @@ class _Planning:
 
     def relaxation(self, op: Op, crossing: list[str]) -> str | None:
         """Why a red pair may still fuse (see the module docstring), or None."""
-        if not self.constraints.relax_red or _is_opaque(op):
+        if not self.constraints.relax_red or (_is_opaque(op) and op.op_type not in RECURRENT_OPS):
             return None
         members = self.block | {op.id}
         heavy = [self.graph.op_by_id[i] for i in members
                  if self.graph.op_by_id[i].mapping == MappingType.MANY_TO_MANY]
+        if all(o.op_type in RECURRENT_OPS for o in heavy) and self.recurrent_stack(op):
+            return "yellow: stacked recurrent layers"
         spaces = {row_space(self.graph, o, members) for o in heavy}
         if (len(spaces) == 1 and None not in spaces and self.fits_rows(op, spaces.pop())
                 and _tile_operand_bytes(self.graph, heavy) <= self.constraints.tile_operand_bytes):
@@ -170,9 +175,18 @@ class _Planning:
         shapes = [self.graph.tensors[t].shape for t in (*self.graph.activation_inputs(op), *op.outputs)]
         return all(shape[:len(rows)] == rows for shape in shapes)
 
+    def recurrent_stack(self, op: Op) -> bool:
+        """Would the block plus `op` be recurrent ops and views only, with a recurrent op?"""
+        ops = [self.graph.op_by_id[i] for i in self.block] + [op]
+        return (any(o.op_type in RECURRENT_OPS for o in ops)
+                and all(o.op_type in RECURRENT_OPS or o.mapping == MappingType.REORGANIZE
+                        for o in ops))
+
     def refusal(self, op: Op, verdict: Verdict, creates_cycle: bool) -> str | None:
-        if _is_opaque(op):
-            return f"red: {op.op_type} is opaque"
+        block_recurrent = any(self.graph.op_by_id[i].op_type in RECURRENT_OPS for i in self.block)
+        stackable = self.constraints.relax_red and self.recurrent_stack(op)
+        if (_is_opaque(op) or block_recurrent) and not stackable:
+            return f"red: {op.op_type} is opaque" if _is_opaque(op) else "red: recurrent block"
         if verdict is Verdict.RED:
             return f"red: {self.mapping.label} + {op.mapping.label}"
         if creates_cycle:
@@ -243,6 +257,7 @@ class _Planning:
         return False
 
 
+RECURRENT_OPS = frozenset({"LSTM", "GRU", "RNN"})
 ROW_REDUCTIONS = frozenset({
     "ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceSumSquare",
     "ReduceL1", "ReduceL2", "ReduceLogSum", "ReduceLogSumExp", "Softmax", "LogSoftmax",
