@@ -27,7 +27,7 @@ def ecg(ops: list[tuple[str, list[str], list[str]]], shapes: dict[str, tuple[int
 
 def save_model(path: Path, nodes, inputs, outputs, initializers=(), opset: int = 17) -> Path:
     graph = helper.make_graph(nodes, "test", inputs, outputs, list(initializers))
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=10)
     onnx.save(model, str(path))
     return path
 

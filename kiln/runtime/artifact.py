@@ -72,6 +72,8 @@ def build_artifact(plan: FusionPlan, kernels: Sequence[Kernel], target: Target,
                    report: dict[str, Any], out_path: str | Path,
                    cache: BuildCache | None = None) -> dict[str, Any]:
     """Compile `kernels` for `target` and write the artifact; return the report it holds."""
+    views = {b.id for b in plan.blocks if b.is_view}
+    kernels = [k for k in kernels if k.block_id not in views]  # views alias, they run nothing
     memory = plan_memory(plan, kernels)
     units = driver.kernel_units(kernels)
     sources = _sources(plan, kernels, memory, units)

@@ -11,6 +11,11 @@ Regions:
   space freed by dead tensors is reused.
 - ``scratch``: one buffer of the largest `Kernel.scratch_bytes`, shared by all kernels.
 
+View blocks (Reorganize ops only) run no kernel: their outputs are the same bytes as their root
+tensor and share its location. A model output that is a view of a kernel's result gets that
+result written straight into the output buffer; one that is a view of an input, a constant or
+another output is copied after the kernels run.
+
 Offsets are multiples of `ALIGNMENT`.
 """
 from __future__ import annotations
@@ -108,22 +113,37 @@ class MemoryPlan:
 def plan_memory(plan: FusionPlan, kernels: Sequence[Kernel]) -> MemoryPlan:
     """Place every tensor the kernels use; kernels run in the plan's block order."""
     graph = plan.graph
-    order = execution_order(plan, kernels)
+    roots = view_roots(plan)
+    views = {b.id for b in plan.blocks if b.is_view}
+    order = [i for i in execution_order(plan, kernels) if kernels[i].block_id not in views]
     ordered = [kernels[i] for i in order]
-    constants = _constants(graph, ordered)
+    constants = _constants(graph, ordered, roots)
     weights, weight_at = _pack_weights(constants)
-    intervals = _lifetimes(graph, ordered, set(constants))
+    fixed = _fixed_refs(graph, roots, ordered)
+    intervals = _lifetimes(graph, ordered, set(constants), roots, set(fixed))
     arena = place(intervals)
-    refs = _fixed_refs(graph) | {b.tensor: Ref("arena", b.offset) for b in arena}
+    refs = fixed | {b.tensor: Ref("arena", b.offset) for b in arena}
     refs |= {key: Ref("weights", off) for key, off in weight_at.items()}
-    bindings = tuple(tuple(refs[_arg_key(k, a)] for a in k.args) for k in ordered)
+    bindings = tuple(tuple(refs[_arg_key(k, a, roots)] for a in k.args) for k in ordered)
     arena_bytes = max((align(b.offset + b.nbytes) for b in arena), default=0)
     return MemoryPlan(
         kernel_order=tuple(order), bindings=bindings, arena=tuple(arena), weights=weights,
-        copies=_output_copies(graph, ordered, weight_at),
+        copies=_output_copies(graph, roots, refs, ordered),
         arena_bytes=arena_bytes, weights_bytes=_blob_size(weights),
         scratch_bytes=align(max((k.scratch_bytes for k in ordered), default=0)),
         io_bytes=sum(graph.tensors[t].nbytes for t in (*graph.inputs, *graph.outputs)))
+
+
+def view_roots(plan: FusionPlan) -> dict[str, str]:
+    """For every output of a view block, the tensor whose bytes it is."""
+    roots: dict[str, str] = {}
+    for block in plan.blocks:
+        if block.is_view:
+            for op_id in block.op_ids:
+                op = plan.graph.op_by_id[op_id]
+                source = op.inputs[0]
+                roots.update((t, roots.get(source, source)) for t in op.outputs)
+    return roots
 
 
 def execution_order(plan: FusionPlan, kernels: Sequence[Kernel]) -> list[int]:
@@ -138,7 +158,7 @@ def execution_order(plan: FusionPlan, kernels: Sequence[Kernel]) -> list[int]:
 def weights_blob(plan: FusionPlan, kernels: Sequence[Kernel], memory: MemoryPlan) -> bytes:
     """The bytes of the weights region laid out as `memory.weights` says."""
     ordered = [kernels[i] for i in memory.kernel_order]
-    constants = _constants(plan.graph, ordered)
+    constants = _constants(plan.graph, ordered, view_roots(plan))
     blob = bytearray(memory.weights_bytes)
     for entry in memory.weights:
         data = np.ascontiguousarray(constants[entry.keys[0]]).tobytes()
@@ -172,25 +192,28 @@ def _best_fit(live: list[ArenaBuffer], nbytes: int) -> int:
     return best[1] if best else cursor
 
 
-def _arg_key(kernel: Kernel, arg: str) -> str:
-    return f"{kernel.symbol}:{arg}" if arg in kernel.derived_constants else arg
+def _arg_key(kernel: Kernel, arg: str, roots: dict[str, str]) -> str:
+    return f"{kernel.symbol}:{arg}" if arg in kernel.derived_constants else roots.get(arg, arg)
 
 
-def _constants(graph: Graph, kernels: Sequence[Kernel]) -> dict[str, np.ndarray]:
+def _constants(graph: Graph, kernels: Sequence[Kernel],
+               roots: dict[str, str]) -> dict[str, np.ndarray]:
     """Every constant the kernels read, plus constant model outputs, by weight key."""
     found: dict[str, np.ndarray] = {}
     for k in kernels:
         for arg in k.args:
+            key = _arg_key(k, arg, roots)
             if arg in k.derived_constants:
-                found[_arg_key(k, arg)] = np.asarray(k.derived_constants[arg])
+                found[key] = np.asarray(k.derived_constants[arg])
             elif arg not in graph.tensors:
                 raise KilnError(f"kernel {k.symbol} reads {arg!r}, which is neither a tensor of "
                                 f"the graph nor one of its derived constants")
-            elif graph.tensors[arg].is_constant:
-                found[arg] = graph.tensors[arg].data
+            elif graph.tensors[key].is_constant:
+                found[key] = graph.tensors[key].data
     for t in graph.outputs:
-        if graph.tensors[t].is_constant:
-            found[t] = graph.tensors[t].data
+        root = roots.get(t, t)
+        if graph.tensors[root].is_constant:
+            found[root] = graph.tensors[root].data
     return found
 
 
@@ -217,52 +240,52 @@ def _blob_size(weights: Sequence[WeightEntry]) -> int:
     return max((align(w.offset + w.nbytes) for w in weights), default=0)
 
 
-def _fixed_refs(graph: Graph) -> dict[str, Ref]:
-    """Model inputs and model outputs (the first position of an output listed twice)."""
+def _fixed_refs(graph: Graph, roots: dict[str, str], kernels: Sequence[Kernel]) -> dict[str, Ref]:
+    """Model inputs and model outputs (the first position of an output listed twice); a kernel
+    result whose view is a model output is written into that output's buffer."""
+    written = {t for k in kernels for t in k.outputs}
     refs: dict[str, Ref] = {}
     for i, t in enumerate(graph.outputs):
         refs.setdefault(t, Ref("output", i))
+    for i, t in enumerate(graph.outputs):
+        root = roots.get(t, t)
+        if root != t and root in written and root not in refs:
+            refs[root] = Ref("output", i)
     refs.update((t, Ref("input", i)) for i, t in enumerate(graph.inputs))
     return refs
 
 
-def _lifetimes(graph: Graph, kernels: Sequence[Kernel],
-               constants: set[str]) -> list[tuple[str, int, int, int]]:
-    fixed = set(graph.inputs) | set(graph.outputs)
+def _lifetimes(graph: Graph, kernels: Sequence[Kernel], constants: set[str],
+               roots: dict[str, str], fixed: set[str]) -> list[tuple[str, int, int, int]]:
     first: dict[str, int] = {}
     last: dict[str, int] = {}
     for i, k in enumerate(kernels):
         for arg in k.args:
-            key = _arg_key(k, arg)
-            if key in constants or arg in fixed:
+            key = _arg_key(k, arg, roots)
+            if key in constants or key in fixed:
                 continue
             if arg in k.outputs:
-                if arg in first:
-                    raise KilnError(f"tensor {arg} is written by two kernels "
-                                    f"({kernels[first[arg]].symbol} and {k.symbol})")
-                first[arg] = i
-            elif arg not in first:
-                raise KilnError(f"kernel {k.symbol} reads {arg} before any kernel writes it")
-            last[arg] = max(last.get(arg, i), i)
+                if key in first:
+                    raise KilnError(f"tensor {key} is written by two kernels "
+                                    f"({kernels[first[key]].symbol} and {k.symbol})")
+                first[key] = i
+            elif key not in first:
+                raise KilnError(f"kernel {k.symbol} reads {key} before any kernel writes it")
+            last[key] = max(last.get(key, i), i)
     return [(t, graph.tensors[t].nbytes, i, last.get(t, i)) for t, i in first.items()]
 
 
-def _output_copies(graph: Graph, kernels: Sequence[Kernel],
-                   weight_at: dict[str, int]) -> tuple[OutputCopy, ...]:
+def _output_copies(graph: Graph, roots: dict[str, str], refs: dict[str, Ref],
+                   kernels: Sequence[Kernel]) -> tuple[OutputCopy, ...]:
+    """Outputs whose bytes are elsewhere when the kernels are done: copied there afterwards."""
     written = {t for k in kernels for t in k.outputs}
-    inputs = {t: i for i, t in enumerate(graph.inputs)}
-    first_position: dict[str, int] = {}
     copies = []
     for i, t in enumerate(graph.outputs):
-        nbytes = graph.tensors[t].nbytes
-        if t in inputs:
-            copies.append(OutputCopy(i, Ref("input", inputs[t]), nbytes))
-        elif graph.tensors[t].is_constant:
-            copies.append(OutputCopy(i, Ref("weights", weight_at[t]), nbytes))
-        elif t in first_position:
-            copies.append(OutputCopy(i, Ref("output", first_position[t]), nbytes))
-        elif t not in written:
+        root = roots.get(t, t)
+        source = refs.get(root)
+        if source is None or (source.region in ("arena", "output") and root not in written):
             raise KilnError(f"model output {graph.tensors[t].source_name or t!r} ({t}) is "
                             f"written by no kernel")
-        first_position.setdefault(t, i)
+        if source != Ref("output", i):
+            copies.append(OutputCopy(i, source, graph.tensors[t].nbytes))
     return tuple(copies)
