@@ -139,7 +139,7 @@ def _run_with(test_dir: Path, model: onnx.ModelProto, data_sets, partitioner: st
                              default_store(":memory:"))
             got = CompiledModel(open_artifact(out, work / "extracted"), threads=1).run(**feeds)
         except KilnError as exc:
-            return Outcome(name, partitioner, "failed", _first_line(exc))
+            return Outcome(name, partitioner, "failed", _summary(exc))
         if len(got) != len(expected):
             failures.append(f"set {index}: {len(got)} outputs, expected {len(expected)}")
         for position, (array, want) in enumerate(zip(got, expected)):
@@ -180,6 +180,13 @@ def _compilable(test_dir: Path, model: onnx.ModelProto, inputs: list[np.ndarray]
     feeds = {n: a for n, a in feeds.items() if n not in fixed}
     codegen.check_supported(frontend.load(frozen_path, {n: a.shape for n, a in feeds.items()}))
     return frozen_path, feeds
+
+
+def _summary(exc: Exception) -> str:
+    """The first line, and the compiler's first error line when there is one."""
+    lines = str(exc).strip().splitlines()
+    error = next((line.strip() for line in lines[1:] if "error:" in line), "")
+    return " ".join([_first_line(exc), error]).strip()
 
 
 def _first_line(exc: Exception) -> str:
