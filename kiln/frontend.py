@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -229,6 +230,15 @@ class _Walker:
         self.alias: dict[str, str] = {}  # output of a dropped Identity/Dropout -> its input
         self.nodes: list[tuple[onnx.NodeProto, dict[str, Any]]] = []
 
+    @cached_property
+    def model_outputs(self) -> set[str]:
+        return {o.name for o in self.model.graph.output}
+
+    def names_a_model_value(self, name: str) -> bool:
+        """Is `name` a model input, a model output or a constant (a name the model keeps)?"""
+        inputs = {i.name for i in self.model.graph.input}
+        return name in inputs or name in self.model_outputs or self.value(name).data is not None
+
     def resolve(self, name: str) -> str:
         while name in self.alias:
             name = self.alias[name]
@@ -265,6 +275,8 @@ class _Walker:
     def passes_through(self, node: onnx.NodeProto, attrs: dict[str, Any]) -> bool:
         if node.op_type == "Dropout" and attrs.get("training_mode_input", False):
             return False
+        if node.output[0] in self.model_outputs and self.names_a_model_value(node.input[0]):
+            return False  # dropping it would give one tensor two of the model's names
         if node.op_type == "Dropout" and len(node.input) > 2 and node.input[2]:
             mode = self.value(node.input[2]).data
             if mode is None or bool(np.asarray(mode).item()):

@@ -180,3 +180,14 @@ def test_initializer_with_too_little_data_is_refused(tmp_path):
                       [float_input("x", (4,))], [float_input("y", (4,))], [weight])
     with pytest.raises(ModelError, match="'w'"):
         frontend.load(path)
+
+
+def test_an_output_that_copies_an_input_keeps_both_names(tmp_path):
+    nodes = [helper.make_node("Identity", ["x"], ["y"]), helper.make_node("Dropout", ["x"], ["z"]),
+             helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Identity", ["r"], ["s"])]
+    path = save_model(tmp_path / "copy.onnx", nodes, [float_input("x", (2,))],
+                      [float_input("y", (2,)), float_input("z", (2,)), float_input("s", (2,))])
+    graph = frontend.load(path)
+    assert graph.tensors[graph.inputs[0]].source_name == "x"
+    assert [graph.tensors[t].source_name for t in graph.outputs] == ["y", "z", "s"]
+    assert [op.op_type for op in graph.ops] == ["Identity", "Dropout", "Relu"]
