@@ -19,12 +19,11 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import onnxruntime as ort
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.zoo import MODELS, ensure_model, input_specs  # noqa: E402
+from bench.zoo import MODELS, ensure_model, make_inputs  # noqa: E402
 from kiln import frontend  # noqa: E402
 from kiln.plan import partitioner  # noqa: E402
 from kiln.profile.local import default_store  # noqa: E402
@@ -34,19 +33,6 @@ from kiln.runtime.cli import compare  # noqa: E402
 
 TRANSFORMERS = ("albert", "bert-base", "distilbert", "gpt2", "mobilebert", "tinybert", "vit-base")
 BERT_SECONDS = 2.0
-
-
-def realistic_inputs(name: str, size: str, seed: int = 0) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    feeds = {}
-    for spec in input_specs(name, size):
-        if spec.kind == "token_ids":
-            feeds[spec.name] = rng.integers(0, 100, spec.shape).astype(spec.dtype)
-        elif spec.kind == "mask":
-            feeds[spec.name] = np.ones(spec.shape, spec.dtype)
-        else:
-            feeds[spec.name] = rng.standard_normal(spec.shape).astype(spec.dtype)
-    return feeds
 
 
 def outputs_unchanged(path: Path, graph, rewritten, feeds) -> tuple[bool, float]:
@@ -75,7 +61,7 @@ def measure(name: str, size: str, check_outputs: bool) -> dict:
            "kernels_after": plan(result.graph, store).kernels, "seconds": seconds}
     if check_outputs:
         row["ok"], row["rel"] = outputs_unchanged(path, graph, result.graph,
-                                                  realistic_inputs(name, size))
+                                                  make_inputs(name, size))
     return row
 
 
