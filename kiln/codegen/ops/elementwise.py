@@ -217,14 +217,20 @@ def _cast(ctx: InlineCtx, index: Index) -> Expr:
 
 
 def _inference_dropout(op: Op, graph: Graph) -> str | None:
-    if op.op_type == "Dropout" and (op.attrs.get("training_mode_input") or len(op.outputs) > 1
-                                    or (len(op.inputs) > 2 and op.inputs[2] is not None)):
+    if op.op_type != "Dropout":
+        return None
+    mode = op.inputs[2] if len(op.inputs) > 2 else None
+    if mode is not None and (not graph.is_constant(mode)
+                             or bool(graph.tensors[mode].data.reshape(-1)[0])):
         return "training mode"
     return None
 
 
 @inline("Identity", "Dropout", check=_inference_dropout)
 def _identity(ctx: InlineCtx, index: Index) -> Expr:
+    """Identity, and Dropout at inference: the input, and a mask of ones."""
+    if ctx.position == 1:
+        return const(True, BOOL)
     return ctx.input(0, index)
 
 
