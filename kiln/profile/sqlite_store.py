@@ -153,7 +153,7 @@ class SQLiteProfileStore:
                                check_same_thread=False)
         conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
         if self.path != ":memory:":
-            conn.execute("PRAGMA journal_mode = WAL")
+            _enable_wal(conn)
             conn.execute("PRAGMA synchronous = NORMAL")
         conn.execute("PRAGMA foreign_keys = ON")
         self._conn, self._pid = conn, os.getpid()
@@ -320,3 +320,17 @@ def _signature(graph: Graph, op_ids: Sequence[str]) -> tuple[str, str]:
     """(kernel_signature, the canonical JSON it hashes) in one pass."""
     description = canonical_json(describe_block(graph, op_ids))
     return hashlib.sha256(description.encode("ascii")).hexdigest(), description
+
+
+def _enable_wal(conn: sqlite3.Connection) -> None:
+    """Switch to WAL, retrying: while another process initialises the file SQLite can answer
+    "locked" to a journal-mode change at once, without waiting in its busy handler."""
+    deadline = time.monotonic() + BUSY_TIMEOUT_S
+    while True:
+        try:
+            conn.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
