@@ -22,23 +22,10 @@ from kiln.runtime.artifact import build_artifact, open_artifact
 from kiln.target import target
 from tests.device_agents.adb_peer import AdbPeer, Phone, build_shim
 from tests.device_agents.samples import STANDIN_FILES, STANDIN_PROPS
-from tests.runtime.conftest import cross_toolchain_missing
+from tests.runtime.conftest import cross_toolchain_missing, kiln_cache  # noqa: F401  (autouse here too)
 from tests.runtime.handmade import mlp
 
 SSHD = "/usr/sbin/sshd"
-
-
-@pytest.fixture(scope="session", autouse=True)
-def kiln_cache(tmp_path_factory):
-    """Builds and extractions go to a fresh cache folder."""
-    folder = tmp_path_factory.mktemp("kiln-cache")
-    saved = os.environ.get("KILN_CACHE_DIR")
-    os.environ["KILN_CACHE_DIR"] = str(folder)
-    yield folder
-    if saved is None:
-        del os.environ["KILN_CACHE_DIR"]
-    else:
-        os.environ["KILN_CACHE_DIR"] = saved
 
 
 def _build(name: str, target_name: str, folder: Path) -> Path:
