@@ -30,6 +30,21 @@ class Schedule:
     conv_gemm_min_cout: int = 16
     conv_tile_cout: int = 4
     conv_tile_w: int = 256
+    # Packed GEMM (every contraction with at least `gemm_min_m` rows, implicit-GEMM convs
+    # included): a register-blocked micro-kernel of `gemm_mr` rows × `gemm_nr` columns
+    # (0: chosen from the target's vector width, see `kiln.codegen.microkernel`) over packed
+    # operands; cache blocks of `gemm_mc` rows × `gemm_nc` columns × `gemm_kc` of the sum, one
+    # block per parallel task. `vector_bytes` 0 means the target's widest vector.
+    gemm_min_m: int = 4
+    gemm_mr: int = 0
+    gemm_nr: int = 0
+    gemm_mc: int = 96
+    gemm_nc: int = 256
+    gemm_kc: int = 256
+    vector_bytes: int = 0
+    # OpenMP schedule of the packed-GEMM task loop: "dynamic" hands out tiles as threads free
+    # up (robust on loaded machines), "static" splits them evenly up front.
+    gemm_omp_schedule: str = "dynamic"
 
     def merged(self, overrides: Mapping[str, Any] | None) -> Schedule:
         if not overrides:
