@@ -14,7 +14,8 @@ bundle folder, fixed file names, numbers), never from the model's names.
 The runner prints one JSON object (see kiln/runtime/runner.c); `parse_runner_output` accepts it only
 when it is a bounded, well-formed report for exactly the manifest's kernels, with every latency
 finite, > 0 and < MAX_LATENCY_S. Each of `repeats` runner invocations gives one sample per kernel
-(the runner's median over `runs` timed runs).
+(the runner's median over `runs` timed runs) and, from runners that print them (`samples_ns`, up to
+100 runs), the kernel's time in every run; older runners' reports without them are still accepted.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from device_agents.protocol import (
     MAX_KERNELS,
     MAX_LATENCY_S,
     MAX_REPEATS,
+    MAX_RUN_SAMPLES,
     MAX_RUNS,
     KernelSamples,
     LatencySummary,
@@ -48,6 +50,8 @@ WEIGHTS_NAME = "weights.bin"
 TOTAL_KEYS = ("median", "p10", "p90", "min", "max")
 OUTPUT_BASE_BYTES = 4096
 OUTPUT_BYTES_PER_KERNEL = 512
+OUTPUT_BYTES_PER_SAMPLE = 24  # "12345678901234567890, "
+RUNNER_MAX_SAMPLES = 100  # runner.c's MAX_PRINTED_SAMPLES
 
 
 class MeasurementError(Exception):
@@ -78,6 +82,7 @@ class RunnerReport:
     warmup: int
     total: LatencySummary
     kernel_seconds: tuple[float, ...]  # per manifest kernel, in order
+    kernel_runs: tuple[tuple[float, ...], ...] = ()  # per kernel, every run's time (when printed)
 
 
 @dataclass(frozen=True)
@@ -188,8 +193,9 @@ def runner_argv(remote_dir: str, bundle: Bundle, runs: int, warmup: int,
     return [*argv, f"{remote_dir}/{WEIGHTS_NAME}", *(f"{remote_dir}/{n}" for n in bundle.inputs)]
 
 
-def max_output_bytes(kernels: int) -> int:
-    return OUTPUT_BASE_BYTES + OUTPUT_BYTES_PER_KERNEL * kernels
+def max_output_bytes(kernels: int, runs: int = 0) -> int:
+    per_kernel = OUTPUT_BYTES_PER_KERNEL + OUTPUT_BYTES_PER_SAMPLE * min(runs, RUNNER_MAX_SAMPLES)
+    return OUTPUT_BASE_BYTES + per_kernel * kernels
 
 
 def _reject_constant(name: str) -> Any:
@@ -221,9 +227,10 @@ def parse_runner_output(stdout: str, manifest: dict[str, Any], runs: int,
     if len(expected) > MAX_KERNELS:
         raise MeasurementError(f"the artifact has {len(expected)} kernels; at most {MAX_KERNELS}")
     size = len(stdout.encode())
-    if size > max_output_bytes(len(expected)):
-        raise MeasurementError(f"the runner's report is {size} bytes; at most "
-                               f"{max_output_bytes(len(expected))} for {len(expected)} kernels")
+    limit = max_output_bytes(len(expected), runs)
+    if size > limit:
+        raise MeasurementError(f"the runner's report is {size} bytes; at most {limit} for "
+                               f"{len(expected)} kernels and {runs} runs")
     try:
         data = json.loads(stdout, parse_constant=_reject_constant)
     except ValueError as exc:
@@ -249,7 +256,7 @@ def parse_runner_output(stdout: str, manifest: dict[str, Any], runs: int,
     if len(kernels) != len(expected):
         raise MeasurementError(f"the runner's report lists {len(kernels)} kernels; the artifact "
                                f"has {len(expected)}")
-    seconds = []
+    seconds, every_run = [], []
     for i, (got, want) in enumerate(zip(kernels, expected)):
         if not isinstance(got, dict):
             raise MeasurementError(f"the runner's report: kernel #{i} is not an object")
@@ -258,8 +265,25 @@ def parse_runner_output(stdout: str, manifest: dict[str, Any], runs: int,
             raise MeasurementError(
                 f"the runner's report: kernel #{i} is {got.get('symbol')!r} of block "
                 f"{got.get('block')!r}; the artifact's is {want['symbol']!r} of {want['block']!r}")
-        seconds.append(_seconds(got.get("median_ns"), f"kernel #{i} ({want['symbol']}) median_ns"))
-    return RunnerReport(threads, runs, warmup, summary, tuple(seconds))
+        name = f"kernel #{i} ({want['symbol']})"
+        median = _seconds(got.get("median_ns"), f"{name} median_ns")
+        seconds.append(median)
+        if "p10_ns" in got or "p90_ns" in got:
+            p10 = _seconds(got.get("p10_ns"), f"{name} p10_ns")
+            p90 = _seconds(got.get("p90_ns"), f"{name} p90_ns")
+            if not p10 <= median <= p90:
+                raise MeasurementError(f"the runner's report: {name} has p10 {p10!r} s, median "
+                                       f"{median!r} s, p90 {p90!r} s, which are not ordered")
+        if "samples_ns" in got:
+            samples = got["samples_ns"]
+            if not isinstance(samples, list) or len(samples) != runs:
+                raise MeasurementError(f"the runner's report: {name} samples_ns is not a list of "
+                                       f"{runs} run times")
+            every_run.append(tuple(_seconds(v, f"{name} samples_ns[{j}]")
+                                   for j, v in enumerate(samples)))
+    if every_run and len(every_run) != len(expected):
+        raise MeasurementError("the runner's report gives samples_ns for some kernels only")
+    return RunnerReport(threads, runs, warmup, summary, tuple(seconds), tuple(every_run))
 
 
 async def measure(backend: DeviceBackend, facts: HardwareFacts, artifact: Artifact, *,
@@ -282,8 +306,11 @@ async def measure(backend: DeviceBackend, facts: HardwareFacts, artifact: Artifa
             raise MeasurementError(f"the runner failed on {backend.name} (exit status {code}): "
                                    f"{detail}")
         reports.append(parse_runner_output(out, artifact.manifest, runs, warmup))
+    per_run = all(r.kernel_runs for r in reports)
     kernels = [KernelSamples(symbol=k["symbol"], block=k["block"],
-                             samples_s=[r.kernel_seconds[i] for r in reports])
+                             samples_s=[r.kernel_seconds[i] for r in reports],
+                             run_samples_s=[s for r in reports for s in r.kernel_runs[i]]
+                             [:MAX_RUN_SAMPLES] if per_run else [])
                for i, k in enumerate(artifact.manifest["kernels"])]
     return Measurement(
         kernels=kernels, totals=[r.total for r in reports], threads=reports[-1].threads,

@@ -25,7 +25,8 @@ wrong token gets 401. Bodies are JSON of the models below; errors are non-2xx st
         Claimed tasks the device will not finish (it went offline): they return to the queue.
 
 Limits are part of the contract and enforced by these models on both sides: latencies are finite,
-> 0 and < MAX_LATENCY_S seconds; at most MAX_KERNELS kernels, MAX_REPEATS samples per kernel.
+> 0 and < MAX_LATENCY_S seconds; at most MAX_KERNELS kernels, MAX_REPEATS samples per kernel,
+MAX_RUN_SAMPLES per-run samples per kernel and MAX_TOTAL_RUN_SAMPLES in one result.
 """
 from __future__ import annotations
 
@@ -55,6 +56,8 @@ MAX_LATENCY_S = 60.0  # per kernel and per model run: anything slower is a broke
 MAX_KERNELS = 100_000
 MAX_RUNS = 100_000
 MAX_REPEATS = 100
+MAX_RUN_SAMPLES = 1000  # per-run samples of one kernel in one result
+MAX_TOTAL_RUN_SAMPLES = 1_000_000  # per-run samples of all kernels in one result
 MAX_TASKS_PER_CLAIM = 64
 MAX_ERROR_CHARS = 4000
 
@@ -135,11 +138,13 @@ class ClaimReply(_Model):
 
 
 class KernelSamples(_Model):
-    """One kernel's latency: the runner's median over `runs` runs, once per repeat."""
+    """One kernel's latency: the runner's median over `runs` runs, once per repeat, and (from
+    runners that report them) the per-run times of every repeat, concatenated."""
 
     symbol: CName  # Kiln's kernel symbol, e.g. "k3_fused_matmul_add"
     block: BlockId  # the fusion plan block it computes, e.g. "b3"
     samples_s: list[Latency] = Field(min_length=1, max_length=MAX_REPEATS)
+    run_samples_s: list[Latency] = Field(default_factory=list, max_length=MAX_RUN_SAMPLES)
 
 
 class LatencySummary(_Model):
@@ -196,6 +201,8 @@ class ResultUpload(_Model):
                              f"runner invocations")
         if len({k.symbol for k in self.kernels}) != len(self.kernels):
             raise ValueError("a kernel symbol appears twice")
+        if sum(len(k.run_samples_s) for k in self.kernels) > MAX_TOTAL_RUN_SAMPLES:
+            raise ValueError(f"more than {MAX_TOTAL_RUN_SAMPLES} per-run samples in one result")
         if self.runs < 1:
             raise ValueError("a successful result needs runs >= 1")
         return self

@@ -13,7 +13,10 @@
  * Prints one JSON object on stdout:
  *   {"threads": T, "warmup": W, "runs": N,
  *    "latency_ns": {"median": …, "p10": …, "p90": …, "min": …, "max": …},
- *    "kernels": [{"index": i, "symbol": "k0_add", "block": "b0", "median_ns": …}, …]}
+ *    "kernels": [{"index": i, "symbol": "k0_add", "block": "b0", "median_ns": …, "p10_ns": …,
+ *                 "p90_ns": …, "samples_ns": [run 0, run 1, …]}, …]}
+ * Each kernel's "samples_ns" lists its time in every timed run, in run order, when RUNS is at most
+ * MAX_PRINTED_SAMPLES; with more runs it is left out (median, p10 and p90 are always there).
  * Exit status: 0 on success, 2 for bad arguments or input files, 1 when the model fails.
  */
 #include "kiln_model.h"
@@ -28,6 +31,7 @@
 
 #define NPY_MAGIC "\x93NUMPY"
 #define MAX_RANK 32
+#define MAX_PRINTED_SAMPLES 100
 
 static void die(int status, const char *format, ...) {
     va_list ap;
@@ -263,10 +267,20 @@ int main(int argc, char **argv) {
     printf("\"min\": %llu, \"max\": %llu}, \"kernels\": [", (unsigned long long)totals[0],
            (unsigned long long)totals[runs - 1]);
     for (k = 0; k < kiln_model_num_kernels; k++) {
-        memcpy(column, per_run + (size_t)k * (size_t)runs, (size_t)runs * sizeof *column);
-        printf("%s{\"index\": %d, \"symbol\": \"%s\", \"block\": \"%s\", \"median_ns\": %llu}",
+        const uint64_t *samples = per_run + (size_t)k * (size_t)runs;
+        memcpy(column, samples, (size_t)runs * sizeof *column);
+        printf("%s{\"index\": %d, \"symbol\": \"%s\", \"block\": \"%s\", \"median_ns\": %llu",
                k ? ", " : "", k, kiln_model_kernels[k].symbol, kiln_model_kernels[k].block,
                (unsigned long long)quantile(column, (size_t)runs, 0.5));
+        printf(", \"p10_ns\": %llu", (unsigned long long)quantile(column, (size_t)runs, 0.1));
+        printf(", \"p90_ns\": %llu", (unsigned long long)quantile(column, (size_t)runs, 0.9));
+        if (runs <= MAX_PRINTED_SAMPLES) {
+            printf(", \"samples_ns\": [");
+            for (r = 0; r < runs; r++)
+                printf("%s%llu", r ? ", " : "", (unsigned long long)samples[r]);
+            printf("]");
+        }
+        printf("}");
     }
     printf("]}\n");
     kiln_model_destroy(model);

@@ -43,6 +43,9 @@ def check_measurement(m, artifact, repeats: int) -> None:
         (k["symbol"], k["block"]) for k in artifact.manifest["kernels"]]
     assert all(len(k.samples_s) == repeats for k in m.kernels)
     assert all(0 < s < 60 for k in m.kernels for s in k.samples_s)
+    # runner.c prints every run's time (runs <= 100): runs x repeats per-run samples per kernel
+    assert all(len(k.run_samples_s) == m.runs * repeats for k in m.kernels)
+    assert all(0 < s < 60 for k in m.kernels for s in k.run_samples_s)
     assert len(m.totals) == repeats
     assert m.artifact_hash == artifact.manifest["content_hash"]
     assert m.runner_sha256 == artifact.manifest["files"]["bin/kiln-runner"]
@@ -203,6 +206,33 @@ def good_report(manifest, runs=5, warmup=2) -> dict:
             "latency_ns": {"median": 2000, "p10": 1900, "p90": 2500, "min": 1800, "max": 3000},
             "kernels": [{"index": i, "symbol": k["symbol"], "block": k["block"], "median_ns": 600}
                         for i, k in enumerate(manifest["kernels"])]}
+
+
+def report_with_samples(manifest, runs=5) -> dict:
+    report = good_report(manifest, runs)
+    for k in report["kernels"]:
+        k.update(p10_ns=500, p90_ns=700, samples_ns=[500, 600, 600, 650, 700][:runs])
+    return report
+
+
+def test_per_run_samples_are_parsed_and_checked(host_artifact):
+    manifest = host_artifact.manifest
+    parsed = parse_runner_output(json.dumps(report_with_samples(manifest)), manifest, 5, 2)
+    assert parsed.kernel_runs == ((5e-7, 6e-7, 6e-7, 6.5e-7, 7e-7),) * 3
+    assert parse_runner_output(json.dumps(good_report(manifest)), manifest, 5, 2).kernel_runs == ()
+    for path, value, message in [
+        (("kernels", 0, "samples_ns"), [500, 600], "not a list of 5 run times"),
+        (("kernels", 1, "samples_ns"), [500, -1, 600, 600, 600], r"samples_ns\[1\]"),
+        (("kernels", 2, "samples_ns"), [500, 600, float("nan"), 600, 600], "contains NaN"),
+        (("kernels", 0, "p10_ns"), 900, "not ordered"),
+        (("kernels", 0, "p90_ns"), 0, "latencies must be finite"),
+    ]:
+        with pytest.raises(MeasurementError, match=message):
+            parse_runner_output(edit(report_with_samples(manifest), path, value), manifest, 5, 2)
+    partial = report_with_samples(manifest)
+    del partial["kernels"][1]["samples_ns"]
+    with pytest.raises(MeasurementError, match="some kernels only"):
+        parse_runner_output(json.dumps(partial), manifest, 5, 2)
 
 
 def edit(report: dict, path: tuple, value) -> str:
