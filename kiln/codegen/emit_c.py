@@ -110,6 +110,7 @@ class CEmitter:
 
     def __init__(self) -> None:
         self.helpers: set[str] = set()
+        self.micro_kernels: dict[str, str] = {}  # function name -> definition
         self.counter = 0
         self.written: set[str] = set()  # buffers the current stage stores to
         self.depends: dict[Expr, frozenset[str]] = {}  # the mutable state each node reads
@@ -126,6 +127,9 @@ class CEmitter:
         for name in sorted(self.helpers):
             guard = f"KILN_HELPER_{name.upper()}"
             head += [f"#ifndef {guard}", f"#define {guard}", HELPERS[name], "#endif"]
+        for name, text in sorted(self.micro_kernels.items()):
+            guard = f"KILN_HELPER_{name.upper()}"
+            head += [f"#ifndef {guard}", f"#define {guard}", text, "#endif"]
         text = head + [f"void {kernel.symbol}(void *const *args) {{"] + _indent(body) + ["}", ""]
         return "\n".join(text)
 
@@ -178,6 +182,8 @@ class CEmitter:
             scope.lines.append(f"{stmt.buffer}[{offset}] = {value};")
         elif isinstance(stmt, ir.If):
             self.branch(stmt, scope)
+        elif isinstance(stmt, ir.MicroKernelCall):
+            self.micro_kernel(stmt, scope)
         else:
             raise TypeError(f"unknown statement {stmt!r}")
 
@@ -210,7 +216,8 @@ class CEmitter:
             clauses.append("parallel for")
             if loop.simd and loop.parallel == 1:
                 clauses.append("simd")
-            clauses.append("schedule(static)")
+            clauses.append("schedule(dynamic, 1)" if loop.omp_schedule == "dynamic"
+                           else "schedule(static)")
             if loop.parallel > 1:
                 clauses.append(f"collapse({loop.parallel})")
         elif loop.simd:
@@ -218,6 +225,15 @@ class CEmitter:
         if loop.simd and (not loop.parallel or loop.parallel == 1):
             clauses += [f"reduction({op}:{acc.name})" for op, acc in loop.reductions]
         return "#pragma omp " + " ".join(clauses) if clauses else ""
+
+    def micro_kernel(self, call: ir.MicroKernelCall, scope: _Scope) -> None:
+        k = call.kernel
+        self.micro_kernels.setdefault(k.function, k.source())
+        kc, accumulate = self.ref(call.kc, scope), self.ref(call.accumulate, scope)
+        a, b, c = (self.ref(call.a_offset, scope), self.ref(call.b_offset, scope),
+                   self.ref(call.c_offset, scope))
+        scope.lines.append(f"{k.function}({kc}, {call.a} + {a}, {call.b} + {b}, {call.c} + {c}, "
+                           f"{call.ldc}, {accumulate});")
 
     def branch(self, stmt: ir.If, scope: _Scope) -> None:
         cond = self.ref(stmt.cond, scope)
@@ -391,6 +407,8 @@ def _writes(stmt: ir.Stmt) -> set[str]:
             names.add(s.name)
         elif isinstance(s, ir.Store):
             names.add(s.buffer)
+        elif isinstance(s, ir.MicroKernelCall):
+            names.add(s.c)
     return names
 
 

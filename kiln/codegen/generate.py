@@ -69,7 +69,8 @@ def generate(plan: FusionPlan, target: Target, schedule: Schedule = DEFAULT_SCHE
     """One Kernel per block of the plan, in plan order (the kernel ABI of `kiln.codegen`)."""
     check_supported(plan.graph)
     block_schedules = block_schedules or {}
-    return [_kernel(plan.graph, block, i, target, schedule.merged(block_schedules.get(block.id)))
+    return [_kernel(plan.graph, block, i, target,
+                    schedule.merged(block_schedules.get(block.id)).for_isa(target.isa))
             for i, block in enumerate(plan.blocks)]
 
 

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from kiln.codegen.expr import Expr
+from kiln.codegen.microkernel import MicroKernel
 
 
 @dataclass(eq=False)
@@ -25,6 +26,7 @@ class Loop:
     parallel: int = 0
     simd: bool = False
     reductions: tuple[tuple[str, Expr], ...] = ()
+    omp_schedule: str = "static"  # of a parallel loop: "static" or "dynamic" (one at a time)
 
     @property
     def static_extent(self) -> int | None:
@@ -89,7 +91,25 @@ class If:
     orelse: list[Stmt] = field(default_factory=list)
 
 
-Stmt = Loop | Let | DeclAcc | Assign | DeclArray | ArrayStore | Store | If
+@dataclass(eq=False)
+class MicroKernelCall:
+    """One register-blocked GEMM tile update (`kiln.codegen.microkernel`):
+    `kernel(kc, a + a_offset, b + b_offset, c + c_offset, ldc, accumulate)`. `a` and `c` are
+    local arrays, `b` a kernel buffer (packed weights or scratch)."""
+
+    kernel: MicroKernel
+    kc: Expr
+    a: str
+    a_offset: Expr
+    b: str
+    b_offset: Expr
+    c: str
+    c_offset: Expr
+    ldc: int
+    accumulate: Expr
+
+
+Stmt = Loop | Let | DeclAcc | Assign | DeclArray | ArrayStore | Store | If | MicroKernelCall
 
 
 @dataclass(eq=False)
@@ -150,6 +170,8 @@ def stmt_exprs(stmt: Stmt) -> list[Expr]:
         return [stmt.offset, stmt.value]
     if isinstance(stmt, If):
         return [stmt.cond]
+    if isinstance(stmt, MicroKernelCall):
+        return [stmt.kc, stmt.a_offset, stmt.b_offset, stmt.c_offset, stmt.accumulate]
     return []
 
 
@@ -170,6 +192,10 @@ def map_exprs(body: list[Stmt], fn) -> None:
             stmt.offset, stmt.value = fn(stmt.offset), fn(stmt.value)
         elif isinstance(stmt, If):
             stmt.cond = fn(stmt.cond)
+        elif isinstance(stmt, MicroKernelCall):
+            stmt.kc, stmt.accumulate = fn(stmt.kc), fn(stmt.accumulate)
+            stmt.a_offset, stmt.b_offset = fn(stmt.a_offset), fn(stmt.b_offset)
+            stmt.c_offset = fn(stmt.c_offset)
 
 
 def all_exprs(body: list[Stmt]) -> list[Expr]:

@@ -9,6 +9,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
+from kiln.codegen.microkernel import tile_for
+
 
 @dataclass(frozen=True)
 class Schedule:
@@ -54,6 +56,11 @@ class Schedule:
         if unknown:
             raise ValueError(f"unknown schedule parameter(s): {', '.join(unknown)}")
         return replace(self, **overrides)
+
+    def for_isa(self, isa: tuple[str, ...]) -> Schedule:
+        """The micro-kernel shape and vector width made explicit for a target's ISA features."""
+        uk = tile_for(isa, "float32", self.vector_bytes, self.gemm_mr, self.gemm_nr)
+        return replace(self, vector_bytes=uk.vector_bytes, gemm_mr=uk.mr, gemm_nr=uk.nr)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -70,20 +70,20 @@ def registered() -> dict[str, OpLowering]:
 
 
 def _load() -> None:
-    if not _REGISTRY:
-        from kiln.codegen.ops import (  # noqa: F401  (each module registers its ops)
-            attention,
-            contraction,
-            conv,
-            elementwise,
-            losses,
-            movement,
-            quantized,
-            recurrent,
-            resize,
-            rotary,
-            rows,
-            scan,
-            scatter,
-            signal,
-        )
+    # Always import them all: importing one op module directly fills part of the registry.
+    from kiln.codegen.ops import (  # noqa: F401  (each module registers its ops)
+        attention,
+        contraction,
+        conv,
+        elementwise,
+        losses,
+        movement,
+        quantized,
+        recurrent,
+        resize,
+        rotary,
+        rows,
+        scan,
+        scatter,
+        signal,
+    )

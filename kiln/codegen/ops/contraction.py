@@ -2,7 +2,15 @@
 
 All of them lower to one loop nest over C[b, i, j] = Σ_k A[b, i, k] · B[b, k, j]:
 
-* `ikj` (default): parallel over (batch, block of `matmul_tile_m` rows); for each column tile of
+* `packed` (float contractions of at least `gemm_min_m` rows): a GotoBLAS-style GEMM. B is packed
+  into panels of `nr` columns (at compile time when it is a constant: weights are pre-packed;
+  else by a first parallel loop nest into scratch). Each parallel task owns a cache block of
+  `mc` rows × `nc` columns: for each slice of `kc` along the sum it packs A's rows into `mr`-row
+  panels, evaluating the fused prologue there once per element (an implicit-GEMM convolution's
+  im2col happens here), then runs the register-blocked micro-kernel
+  (`kiln.codegen.microkernel`) over the block's panels; the block's results, still in L1/L2,
+  go through the fused epilogue straight into the outputs.
+* `ikj`: parallel over (batch, block of `matmul_tile_m` rows); for each column tile of
   `matmul_tile_n`, accumulators acc[rows][cols] on the stack; for k: for each row, A[i, k] is
   evaluated once (through the prologue) and the vectorised inner loop does
   acc[r][j] += a · B[k, j] over contiguous B. Then the epilogue runs on acc.
@@ -22,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kiln.codegen import ir
+from kiln.codegen.microkernel import MicroKernel, tile_for
 from kiln.codegen.expr import (
     Expr,
     NotEvaluable,
@@ -34,9 +43,11 @@ from kiln.codegen.expr import (
     floordiv,
     iconst,
     imin,
+    index_compare,
     load,
     modulo,
     mul,
+    select,
     sub,
     substitute,
     var,
@@ -83,7 +94,9 @@ def contraction(ctx: StageCtx, spec: Contraction) -> None:
     b_probe = spec.b(Index(spec.b_batch, flat=probe_b), probe_k, probe_j)
     a_probe = spec.a(Index(spec.a_batch, flat=var(ctx.name("pa"), max(math.prod(spec.a_batch), 1))),
                      var(ctx.name("pi"), spec.m), probe_k)
-    if stride_of(b_probe, probe_j) == 1:
+    if _packed_applies(ctx, spec):
+        _packed(ctx, spec, _packed_b(ctx, spec, b_probe, probe_b, probe_k, probe_j))
+    elif stride_of(b_probe, probe_j) == 1:
         _ikj(ctx, spec, spec.b)
     elif (packed := _constant_packed(ctx, spec, b_probe, probe_b, probe_k, probe_j)) is not None:
         _ikj(ctx, spec, packed)
@@ -91,6 +104,161 @@ def contraction(ctx: StageCtx, spec: Contraction) -> None:
         _dot(ctx, spec)
     else:
         _ikj(ctx, spec, _pack_in_scratch(ctx, spec))
+
+
+# --- packed GEMM ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PackedB:
+    """B in panels of `nr` columns: element (b, k, j) at ((b·panels + j // nr)·K + k)·nr + j % nr."""
+
+    buffer: str
+    panels: int
+
+
+@dataclass(frozen=True)
+class Blocking:
+    mc: int
+    nc: int
+    kc: int
+
+
+def _micro_kernel(ctx: StageCtx, dtype: str) -> MicroKernel:
+    s = ctx.schedule
+    return tile_for((), dtype, s.vector_bytes, s.gemm_mr, s.gemm_nr)
+
+
+def _packed_applies(ctx: StageCtx, spec: Contraction) -> bool:
+    return (spec.dtype in ("float32", "float64") and spec.k > 0
+            and spec.m >= ctx.schedule.gemm_min_m and ctx.schedule.vector_bytes > 0)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def blocking(m: int, n: int, k: int, batch: int, uk: MicroKernel, mc: int, nc: int,
+             kc: int, min_tasks: int = 8) -> Blocking:
+    """Cache blocks of whole micro-tiles, split evenly (no thin leftover block), and enough
+    parallel tasks (blocks × batch) to keep `min_tasks` threads' worth of work queued."""
+    def even(total: int, limit: int, unit: int) -> int:
+        parts = -(-total // max(limit, unit))
+        return _round_up(-(-total // parts), unit)
+
+    kc = -(-k // -(-k // max(kc, 1)))
+    mc, nc = even(m, mc, uk.mr), even(n, nc, uk.nr)
+    while batch * -(-m // mc) * -(-n // nc) < min_tasks and nc > uk.nr:
+        nc = _round_up(nc // 2, uk.nr)
+    while batch * -(-m // mc) * -(-n // nc) < min_tasks and mc > uk.mr:
+        mc = _round_up(mc // 2, uk.mr)
+    return Blocking(mc, nc, kc)
+
+
+def _packed_b(ctx: StageCtx, spec: Contraction, probe: Expr, pb: Expr, pk: Expr,
+              pj: Expr) -> PackedB:
+    uk = _micro_kernel(ctx, spec.dtype)
+    nb, panels = max(math.prod(spec.b_batch), 1), -(-spec.n // uk.nr)
+    width = panels * uk.nr
+    if probe.op == "load" and probe.name in ctx.graph.tensors and \
+            ctx.graph.tensors[probe.name].is_constant:
+        source = ctx.graph.tensors[probe.name]
+        grid = np.meshgrid(np.arange(nb), np.arange(spec.k), np.arange(width), indexing="ij")
+        clamped = [grid[0], grid[1], np.minimum(grid[2], spec.n - 1)]
+        try:
+            offsets = evaluate_index(probe.args[0], dict(zip((pb, pk, pj), clamped)))
+        except NotEvaluable:
+            offsets = None
+        if offsets is not None:
+            values = source.data.reshape(-1)[np.broadcast_to(offsets, grid[0].shape)]
+            values = np.where(grid[2] < spec.n, values, 0).astype(source.data.dtype)
+            panelled = values.reshape(nb, spec.k, panels, uk.nr).transpose(0, 2, 1, 3)
+            ctx.info["b_operand"] = "pre-packed constant"
+            return PackedB(ctx.derived(np.ascontiguousarray(panelled)), panels)
+    total = nb * panels * spec.k
+    name = ctx.scratch(spec.dtype, total * uk.nr)
+    q, r = ctx.var("q", total), ctx.var("r", uk.nr)
+    bb, panel, k = Index((nb, panels, spec.k), flat=q).dims
+    j = add(mul(panel, uk.nr), r)
+    value = spec.b(Index(spec.b_batch, flat=bb), k, imin(j, iconst(spec.n - 1)))
+    if spec.n % uk.nr:
+        value = select(index_compare("lt", j, spec.n), value, const(0, spec.dtype))
+    store = ir.Store(name, add(mul(q, uk.nr), r), value)
+    loop = ir.Loop(q, iconst(0), iconst(total), [ir.Loop(r, iconst(0), iconst(uk.nr), [store],
+                                                         simd=True)], parallel=1)
+    ctx.stage(f"pack operand B of {ctx.op.id} in panels", [loop], total * uk.nr)
+    ctx.info["b_operand"] = "packed in scratch"
+    return PackedB(name, panels)
+
+
+def _packed(ctx: StageCtx, spec: Contraction, packed_b: PackedB) -> None:
+    s = ctx.schedule
+    uk = _micro_kernel(ctx, spec.dtype)
+    bt = math.prod(spec.batch)
+    blk = blocking(spec.m, spec.n, spec.k, bt, uk, s.gemm_mc, s.gemm_nc, s.gemm_kc)
+    row_blocks, col_blocks, k_blocks = (-(-spec.m // blk.mc), -(-spec.n // blk.nc),
+                                        -(-spec.k // blk.kc))
+    tasks = bt * row_blocks * col_blocks
+    p = ctx.var("p", tasks)
+    b, rb, cb = Index((bt, row_blocks, col_blocks), flat=p).dims
+    i0, j0 = mul(rb, blk.mc), mul(cb, blk.nc)
+    tile, apack = ctx.name("ct"), ctx.name("ap")
+    row_panels = imin(iconst(blk.mc // uk.mr), floordiv(sub(iconst(spec.m + uk.mr - 1), i0), uk.mr))
+    col_panels = imin(iconst(blk.nc // uk.nr), floordiv(sub(iconst(spec.n + uk.nr - 1), j0), uk.nr))
+
+    kb = ctx.var("kb", k_blocks)
+    k0 = mul(kb, blk.kc)
+    kc = iconst(blk.kc) if spec.k % blk.kc == 0 else imin(iconst(blk.kc), sub(iconst(spec.k), k0))
+    b_flat = _batch_of(spec, b, spec.b_batch).flat if spec.b_batch else iconst(0)
+    ip, jp = ctx.var("ip", blk.mc // uk.mr), ctx.var("jp", blk.nc // uk.nr)
+    call = ir.MicroKernelCall(
+        uk, kc, apack, mul(ip, blk.kc * uk.mr), packed_b.buffer,
+        mul(add(mul(add(mul(b_flat, packed_b.panels), floordiv(j0, uk.nr), jp), spec.k), k0), uk.nr),
+        tile, add(mul(ip, uk.mr * blk.nc), mul(jp, uk.nr)), blk.nc,
+        index_compare("gt", kb, 0) if k_blocks > 1 else const(False, "bool"))
+    compute = ir.Loop(jp, iconst(0), col_panels, [ir.Loop(ip, iconst(0), row_panels, [call])])
+    k_loop = ir.Loop(kb, iconst(0), iconst(k_blocks),
+                     [_pack_a(ctx, spec, uk, blk, apack, b, i0, k0, kc, row_panels), compute])
+    body = [ir.DeclArray(tile, spec.dtype, blk.mc * blk.nc),
+            ir.DeclArray(apack, spec.dtype, blk.mc * blk.kc), k_loop,
+            _packed_epilogue(ctx, spec, blk, tile, b, i0, j0)]
+    ctx.stage(f"contraction {ctx.op.op_type} ({ctx.op.id}), packed GEMM",
+              [ir.Loop(p, iconst(0), iconst(tasks), body, parallel=1,
+                       omp_schedule=s.gemm_omp_schedule)],
+              bt * spec.m * spec.n * spec.k)
+    ctx.info.update(form="packed", micro_kernel=f"{uk.mr}x{uk.nr}", vector_bytes=uk.vector_bytes,
+                    mc=blk.mc, nc=blk.nc, kc=blk.kc, tasks=tasks)
+
+
+def _pack_a(ctx: StageCtx, spec: Contraction, uk: MicroKernel, blk: Blocking, apack: str,
+            b: Expr, i0: Expr, k0: Expr, kc: Expr, row_panels: Expr) -> ir.Loop:
+    """A's rows [i0, i0 + mc) × sums [k0, k0 + kc) into `mr`-row panels (rows past M repeat the
+    last row: their results are never stored). The loop order follows A's contiguous axis."""
+    ip, r, kk = ctx.var("ip", blk.mc // uk.mr), ctx.var("r", uk.mr), ctx.var("kk", blk.kc)
+    i = imin(add(i0, mul(ip, uk.mr), r), iconst(spec.m - 1))
+    value = spec.a(_batch_of(spec, b, spec.a_batch), i, add(k0, kk))
+    store = ir.ArrayStore(apack, add(mul(ip, blk.kc * uk.mr), mul(kk, uk.mr), r), value)
+    probe_i = ctx.var("pi", spec.m)
+    probe = spec.a(_batch_of(spec, b, spec.a_batch), probe_i, add(k0, kk))
+    if stride_of(probe, probe_i) == 1:  # contiguous along rows (a convolution's pixels)
+        return ir.Loop(kk, iconst(0), kc, [ir.Loop(ip, iconst(0), row_panels, [
+            ir.Loop(r, iconst(0), iconst(uk.mr), [store], simd=True)])])
+    return ir.Loop(ip, iconst(0), row_panels, [ir.Loop(r, iconst(0), iconst(uk.mr), [
+        ir.Loop(kk, iconst(0), kc, [store], simd=True)])])
+
+
+def _packed_epilogue(ctx: StageCtx, spec: Contraction, blk: Blocking, tile: str, b: Expr,
+                     i0: Expr, j0: Expr) -> ir.Loop:
+    """The block's results through the fused epilogue, the inner loop along the output's
+    contiguous axis."""
+    i, j = ctx.var("i", spec.m), ctx.var("j", spec.n)
+    total = array_load(tile, spec.dtype, add(mul(sub(i, i0), blk.nc), sub(j, j0)))
+    stmts = ctx.results({0: (spec.out(b, i, j), spec.finish(total, b, i, j))})
+    i_end = imin(add(i0, blk.mc), iconst(spec.m))
+    j_end = imin(add(j0, blk.nc), iconst(spec.n))
+    offset = spec.out(b, i, j).flat
+    rows_inner = (stride_of(load("probe", spec.dtype, offset), i) == 1 and spec.m > 1)
+    if rows_inner:
+        return ir.Loop(j, j0, j_end, [ir.Loop(i, i0, i_end, stmts, simd=True)])
+    return ir.Loop(i, i0, i_end, [ir.Loop(j, j0, j_end, stmts, simd=True)])
 
 
 def _batch_of(spec: Contraction, b: Expr, shape: tuple[int, ...]) -> Index:

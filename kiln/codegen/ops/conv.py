@@ -185,11 +185,11 @@ def conv_stage(ctx: StageCtx, weight: int, operands: Callable[[str, bool], ConvO
 
 def _implicit_gemm(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: ConvOperands,
                    group: int) -> None:
-    """The convolution as a matrix product per (image, group): rows are output pixels, columns
-    output channels, and the reduction runs over (input channel, kernel taps). The input element
-    of a (pixel, tap) pair — zero in the padding — is computed while reading the A operand (an
-    implicit im2col: nothing is copied), and the weights, read along output channels, are packed
-    at compile time when constant. The vectorised inner loop runs over output channels."""
+    """The convolution as a matrix product per (image, group): rows are output channels (the
+    weights, packed at compile time), columns output pixels, and the sum runs over (input
+    channel, kernel taps). The input element of a (tap, pixel) pair — zero in the padding — is
+    computed while packing the B operand (an implicit im2col, once per element), and results
+    come out along pixels, the output's contiguous axis."""
     out = ctx.out()
     batch, channels = out.shape[0], ctx.graph.tensors[ops.x].shape[1]
     cg, mg = channels // group, w_shape[0] // group
@@ -198,9 +198,13 @@ def _implicit_gemm(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: Conv
     in_shape = (batch, channels, *w.in_size)
 
     def a_at(bi: Index, i: Expr, k: Expr) -> Expr:
+        (g,) = bi.dims
+        return ops.read_w(Index(w_shape, flat=add(mul(add(mul(g, mg), i), cg * taps), k)))
+
+    def b_at(bi: Index, k: Expr, j: Expr) -> Expr:
         n, g = bi.dims
         c, *tap = Index((cg, *w.kernel), flat=k).dims
-        o = Index(w.out_size, flat=i).dims
+        o = Index(w.out_size, flat=j).dims
         positions = [tap_position(w, d, o[d], tap[d]) for d in range(len(tap))]
         inside = const(True, BOOL)
         for d, position in enumerate(positions):
@@ -210,18 +214,14 @@ def _implicit_gemm(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: Conv
         value = ops.read_x(Index(in_shape, dims=[n, add(mul(g, cg), c), *clamped]))
         return select(inside, value, const(0, value.dtype))
 
-    def b_at(bi: Index, k: Expr, j: Expr) -> Expr:
-        (g,) = bi.dims
-        return ops.read_w(Index(w_shape, flat=add(mul(add(mul(g, mg), j), cg * taps), k)))
-
     def out_index(b: Expr, i: Expr, j: Expr) -> Index:
         n, g = Index((batch, group), flat=b).dims
-        return Index(out.shape, flat=add(mul(add(mul(n, group * mg), mul(g, mg), j), pixels), i))
+        return Index(out.shape, flat=add(mul(add(mul(n, group * mg), mul(g, mg), i), pixels), j))
 
     def finish(total: Expr, b: Expr, i: Expr, j: Expr) -> Expr:
-        return ops.finish(total, add(mul(modulo(b, group), mg), j))
+        return ops.finish(total, add(mul(modulo(b, group), mg), i))
 
-    contraction(ctx, Contraction((batch, group), pixels, mg, cg * taps, (batch, group), (group,),
+    contraction(ctx, Contraction((batch, group), mg, pixels, cg * taps, (group,), (batch, group),
                                  a_at, b_at, out_index, finish, ops.acc_dtype))
     ctx.info["conv"] = "implicit GEMM"
 

@@ -1,0 +1,94 @@
+"""Register-blocked GEMM micro-kernels, generated as portable C with GCC vector extensions.
+
+One generator serves every ISA: a micro-kernel updates an `mr` × `nr` tile of C held in
+`mr · nr / lanes` vector registers, for `kc` steps of the sum, from packed operands:
+
+* A panel: `kc` × `mr`, row index fastest (`a[k·mr + r]`), broadcast one scalar at a time;
+* B panel: `kc` × `nr`, column index fastest (`b[k·nr + c]`), loaded as `nr / lanes` vectors;
+* C tile: row-major with leading dimension `ldc`, loaded (when `accumulate`) and stored once.
+
+The compiler turns `acc += a * b` on vector types into FMA instructions of the target: AVX-512
+(zmm, 16 lanes) or AVX2 (ymm, 8 lanes) on x86-64, NEON (4 lanes) on aarch64. The tile shape fills
+the register file: accumulators + B vectors + one broadcast ≤ the number of vector registers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# (vector bytes, mr, nr) per ISA, widest first: 32 zmm → 12×32 (24 accumulators); 16 ymm → 6×16
+# (12 accumulators); 32 NEON q registers → 8×12 (24 accumulators).
+ISA_TILES = (
+    ("avx512f", 64, 12, 32),
+    ("avx2", 32, 6, 16),
+    ("neon", 16, 8, 12),
+)
+FALLBACK_TILE = (16, 4, 8)  # SSE-width vectors: every x86-64 and aarch64 CPU has them
+
+
+@dataclass(frozen=True)
+class MicroKernel:
+    dtype: str  # "float32" or "float64"
+    mr: int
+    nr: int
+    vector_bytes: int
+
+    @property
+    def scalar(self) -> str:
+        return {"float32": "float", "float64": "double"}[self.dtype]
+
+    @property
+    def lanes(self) -> int:
+        return self.vector_bytes // (4 if self.dtype == "float32" else 8)
+
+    @property
+    def function(self) -> str:
+        return f"kiln_ukr_{self.dtype}_{self.mr}x{self.nr}_v{self.vector_bytes}"
+
+    def source(self) -> str:
+        return micro_kernel_source(self)
+
+
+def tile_for(isa: tuple[str, ...], dtype: str, vector_bytes: int = 0, mr: int = 0,
+             nr: int = 0) -> MicroKernel:
+    """The micro-kernel for a target's ISA features; nonzero arguments override the choice."""
+    chosen = next(((vb, m, n) for feature, vb, m, n in ISA_TILES if feature in isa), FALLBACK_TILE)
+    if vector_bytes and vector_bytes != chosen[0]:
+        chosen = next(((vb, m, n) for _, vb, m, n in ISA_TILES if vb == vector_bytes),
+                      (vector_bytes, 4, 2 * vector_bytes // 4))
+    vb, m, n = chosen
+    kernel = MicroKernel(dtype, mr or m, nr or n, vb)
+    lanes = kernel.lanes
+    if kernel.nr % lanes:  # float64 halves the lanes: keep nr a whole number of vectors
+        kernel = MicroKernel(dtype, kernel.mr, -(-kernel.nr // lanes) * lanes, vb)
+    return kernel
+
+
+def micro_kernel_source(k: MicroKernel) -> str:
+    lanes, vectors = k.lanes, k.nr // k.lanes
+    if k.nr % lanes:
+        raise ValueError(f"nr={k.nr} is not a multiple of {lanes} lanes")
+    vec, vecu = f"{k.function}_v", f"{k.function}_vu"
+    lines = [
+        f"typedef {k.scalar} {vec} __attribute__((vector_size({k.vector_bytes})));",
+        f"typedef {k.scalar} {vecu} __attribute__((vector_size({k.vector_bytes}), aligned({4 if k.dtype == 'float32' else 8})));",
+        f"static inline void {k.function}(int64_t kc, const {k.scalar} *restrict a, "
+        f"const {k.scalar} *restrict b, {k.scalar} *restrict c, int64_t ldc, int accumulate) {{",
+    ]
+    acc = [[f"c{r}_{v}" for v in range(vectors)] for r in range(k.mr)]
+    for r in range(k.mr):
+        for v in range(vectors):
+            lines.append(f"  {vec} {acc[r][v]} = accumulate ? *(const {vecu} *)(c + {r} * ldc + "
+                         f"{v * lanes}) : ({vec}){{0}};")
+    lines.append("  for (int64_t k = 0; k < kc; ++k) {")
+    for v in range(vectors):
+        lines.append(f"    const {vec} b{v} = *(const {vecu} *)(b + k * {k.nr} + {v * lanes});")
+    for r in range(k.mr):
+        lines.append(f"    {{ const {k.scalar} a{r} = a[k * {k.mr} + {r}];")
+        lines.extend(f"      {acc[r][v]} += a{r} * b{v};" for v in range(vectors))
+        lines.append("    }")
+    lines.append("  }")
+    for r in range(k.mr):
+        for v in range(vectors):
+            lines.append(f"  *({vecu} *)(c + {r} * ldc + {v * lanes}) = {acc[r][v]};")
+    lines.append("}")
+    return "\n".join(lines)

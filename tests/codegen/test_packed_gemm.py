@@ -1,0 +1,149 @@
+"""The packed GEMM path (micro-kernels over packed operands) against onnxruntime: every micro-kernel
+shape the ISAs use, cache blocks small enough that every axis has several blocks and a ragged
+last one, constant and computed B operands, batches with broadcasting, convolutions."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from onnx import helper
+
+from kiln import frontend
+from kiln.codegen import generate
+from kiln.codegen.microkernel import ISA_TILES, MicroKernel, micro_kernel_source, tile_for
+from kiln.codegen.ops.contraction import blocking
+from kiln.codegen.schedule import Schedule
+from kiln.target import host_target
+from tests.codegen.harness import (
+    assert_matches,
+    model,
+    plan_for,
+    random_inputs,
+    reference,
+    run_kernels,
+)
+
+# (vector bytes, mr, nr): AVX-512, AVX2, NEON and the SSE-width fallback
+TILES = [(vb, mr, nr) for _, vb, mr, nr in ISA_TILES] + [(16, 4, 8)]
+
+
+def run_with(m, spec, schedule: Schedule):
+    inputs = random_inputs(spec)
+    graph = frontend.build(m, {}, "t")
+    plan = plan_for(graph, "dnnfusion")
+    kernels = generate(plan, host_target(), schedule)
+    values = run_kernels(plan, kernels, dict(zip(graph.inputs, inputs.values())))
+    assert_matches([values[t] for t in graph.outputs], reference(m, inputs), str(schedule))
+    return kernels
+
+
+def forms(kernels) -> set[str]:
+    return {s.get("form") for k in kernels for s in k.schedule["stages"]}
+
+
+def small_blocks(tile, **extra) -> Schedule:
+    vb, mr, nr = tile
+    return Schedule(vector_bytes=vb, gemm_mr=mr, gemm_nr=nr, gemm_mc=mr, gemm_nc=nr, gemm_kc=5,
+                    **extra)
+
+
+@pytest.mark.parametrize("tile", TILES, ids=lambda t: f"{t[1]}x{t[2]}v{t[0]}")
+def test_matmul_constant_weights_every_micro_kernel(tile):
+    spec = {"a": ((2, 27, 13), "float32")}
+    w = np.random.default_rng(1).standard_normal((13, 37)).astype(np.float32)
+    bias = np.random.default_rng(2).standard_normal(37).astype(np.float32)
+    m = model([helper.make_node("MatMul", ["a", "w"], ["h"]),
+               helper.make_node("Add", ["h", "bias"], ["y"])], spec, ["y"], {"w": w, "bias": bias})
+    kernels = run_with(m, spec, small_blocks(tile))
+    assert "packed" in forms(kernels)
+    stage = next(s for k in kernels for s in k.schedule["stages"] if s.get("form") == "packed")
+    assert stage["b_operand"] == "pre-packed constant"
+    assert stage["micro_kernel"] == f"{tile[1]}x{tile[2]}"
+
+
+@settings(max_examples=8, deadline=None)
+@given(batch=st.sampled_from([(), (3,), (2, 1)]), m=st.integers(4, 30), k=st.integers(1, 20),
+       n=st.integers(1, 40), tile=st.sampled_from(TILES))
+def test_batched_matmul_of_activations(batch, m, k, n, tile):
+    """B computed at run time (packed into scratch), broadcast over A's batch."""
+    spec = {"a": ((*batch, m, k), "float32"), "b": ((k, n), "float32")}
+    nodes = [helper.make_node("Relu", ["b"], ["rb"]), helper.make_node("MatMul", ["a", "rb"], ["y"])]
+    kernels = run_with(model(nodes, spec, ["y"]), spec, small_blocks(tile))
+    assert "packed" in forms(kernels)
+
+
+def test_attention_scores_transposed_operand():
+    spec = {"q": ((2, 3, 17, 8), "float32"), "k": ((2, 3, 17, 8), "float32")}
+    nodes = [helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
+             helper.make_node("MatMul", ["q", "kt"], ["s"]),
+             helper.make_node("Softmax", ["s"], ["y"], axis=-1)]
+    kernels = run_with(model(nodes, spec, ["y"]), spec, small_blocks(TILES[1]))
+    assert "packed" in forms(kernels)
+
+
+def test_gemm_transposed_weights_alpha_beta():
+    spec = {"a": ((19, 11), "float32")}
+    rng = np.random.default_rng(3)
+    inits = {"w": rng.standard_normal((23, 11)).astype(np.float32),
+             "c": rng.standard_normal((23,)).astype(np.float32)}
+    m = model([helper.make_node("Gemm", ["a", "w", "c"], ["y"], transB=1, alpha=0.5, beta=2.0)],
+              spec, ["y"], inits)
+    assert "packed" in forms(run_with(m, spec, small_blocks(TILES[0])))
+
+
+@pytest.mark.parametrize("strides,pads,group,dil", [
+    ((1, 1), (1, 1, 1, 1), 1, (1, 1)),
+    ((2, 2), (0, 1, 1, 0), 1, (1, 1)),
+    ((1, 1), (2, 2, 2, 2), 2, (2, 2)),
+])
+def test_convolution_as_implicit_gemm(strides, pads, group, dil):
+    spec = {"x": ((2, 4, 9, 11), "float32")}
+    rng = np.random.default_rng(4)
+    inits = {"w": rng.standard_normal((32, 4 // group, 3, 3)).astype(np.float32),
+             "b": rng.standard_normal(32).astype(np.float32)}
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], strides=strides, pads=pads,
+                              group=group, dilations=dil),
+             helper.make_node("Relu", ["c"], ["y"])]
+    kernels = run_with(model(nodes, spec, ["y"], inits), spec, small_blocks(TILES[1]))
+    info = [s for k in kernels for s in k.schedule["stages"] if s.get("conv") == "implicit GEMM"]
+    assert info and info[0]["form"] == "packed"
+
+
+def test_float64_matmul():
+    spec = {"a": ((9, 7), "float64")}
+    w = np.random.default_rng(5).standard_normal((7, 21))
+    m = model([helper.make_node("MatMul", ["a", "w"], ["y"])], spec, ["y"], {"w": w})
+    assert "packed" in forms(run_with(m, spec, Schedule(vector_bytes=64, gemm_mr=4, gemm_nr=16)))
+
+
+def test_tile_choice_follows_the_isa():
+    assert (tile_for(("avx512f", "avx2"), "float32").mr, tile_for(("avx512f",), "float32").nr) == (12, 32)
+    assert tile_for(("avx2", "fma"), "float32") == MicroKernel("float32", 6, 16, 32)
+    assert tile_for(("neon",), "float32") == MicroKernel("float32", 8, 12, 16)
+    assert tile_for((), "float32").vector_bytes == 16
+    # float64 has half the lanes: nr stays a whole number of vectors
+    assert tile_for(("neon",), "float64").nr % 2 == 0
+
+
+def test_micro_kernel_register_budget():
+    """Accumulators + B vectors + one broadcast fit the register file of each ISA (32 zmm, 16 ymm,
+    32 NEON q registers), so nothing spills in the inner loop."""
+    registers = {64: 32, 32: 16, 16: 32}
+    for _, vb, mr, nr in ISA_TILES:
+        vectors = nr // (vb // 4)
+        assert mr * vectors + vectors + 1 <= registers[vb]
+
+
+def test_micro_kernel_source_rejects_partial_vectors():
+    with pytest.raises(ValueError):
+        micro_kernel_source(MicroKernel("float32", 4, 12, 32))
+
+
+def test_blocking_keeps_threads_busy_and_blocks_even():
+    uk = MicroKernel("float32", 12, 32, 64)
+    b = blocking(128, 768, 3072, 1, uk, 96, 256, 256)
+    assert b.mc % 12 == 0 and b.nc % 32 == 0 and b.kc == 256
+    assert -(-128 // b.mc) * -(-768 // b.nc) >= 8
+    assert 128 - (-(-128 // b.mc) - 1) * b.mc >= b.mc // 2  # no thin leftover row block
+    assert blocking(1000, 64, 1000, 1, uk, 96, 256, 256).kc == 250
