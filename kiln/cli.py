@@ -13,6 +13,7 @@ from kiln.pipeline import CompileOptions, compile_artifact, compile_model
 from kiln.plan import partitioner_names
 from kiln.report import format_report
 from kiln.target import TARGET_NAMES
+from kiln.tune import DEFAULT_BUDGET_S, TUNE_MODES, check_budget
 
 # Modules defining `add_commands(subparsers)`; each registers its subcommands.
 COMMAND_MODULES: tuple[str, ...] = ("kiln.runtime.cli", "service.cli", "workers.cli",
@@ -24,7 +25,10 @@ def _compile(args: argparse.Namespace) -> int:
 
     shapes = dict(frontend.parse_shape_arg(s) for s in args.shape)
     options = CompileOptions(partitioner=args.partitioner, shapes=shapes, target=args.target,
-                             rewrite=not args.no_rewrite)
+                             rewrite=not args.no_rewrite, tune=args.tune,
+                             tune_budget=args.tune_budget)
+    if args.tune != "off" and not args.output:
+        raise KilnError("--tune needs -o: tuning chooses the schedules of the generated code")
     store = default_store(args.profile_db)
     if args.output:
         report = compile_artifact(args.model, args.output, options, store)
@@ -33,6 +37,8 @@ def _compile(args: argparse.Namespace) -> int:
     if args.report_json:
         Path(args.report_json).write_text(json.dumps(report, indent=2))
     print(format_report(report))
+    if "tuning" in report:
+        print(format_tuning(report["tuning"]))
     if args.output:
         peak = report["peak_memory_bytes"]
         print(f"wrote {args.output}: {report['compiled_kernels']} kernels, peak memory "
@@ -52,11 +58,39 @@ def add_compile_command(commands) -> argparse.ArgumentParser:
                      help="machine the artifact runs on (default: this one)")
     cmd.add_argument("--no-rewrite", action="store_true",
                      help="skip the math-property graph rewriting (see `kiln rules`)")
+    cmd.add_argument("--tune", default="off", choices=TUNE_MODES,
+                     help="tune kernel schedules on this CPU: quick (a few fixed candidates per "
+                          "block) or full (a genetic search); measurements are kept in the "
+                          "profile database and never repeated (default: off)")
+    cmd.add_argument("--tune-budget", type=_seconds, metavar="SECONDS",
+                     help="time limit for tuning (default: "
+                          + ", ".join(f"{m} {s:g} s" for m, s in DEFAULT_BUDGET_S.items()) + ")")
     cmd.add_argument("--report-json", metavar="FILE", help="write the fusion report here")
     cmd.add_argument("--profile-db", metavar="FILE",
                      help="profile database (default $KILN_PROFILE_DB or ~/.cache/kiln)")
     cmd.set_defaults(handler=_compile)
     return cmd
+
+
+def _seconds(text: str) -> float:
+    try:
+        return check_budget(text)
+    except KilnError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def format_tuning(t: dict) -> str:
+    if "all" in t.get("skipped", {}):
+        return f"tuning ({t['mode']}): skipped: {t['skipped']['all']}"
+    lines = [f"tuning ({t['mode']}, {t['threads']} threads): {len(t['groups'])} distinct blocks, "
+             f"{t['measured']} kernels measured, {t['reused']} reused from the profile database, "
+             f"{t['failed']} failed; {t['seconds']:.1f} s of {t['budget_s']:g} s; "
+             f"{len(t['schedules'])} blocks with a non-default schedule"]
+    for g in t["groups"]:
+        if g["best_ms"] and g["default_ms"]:
+            lines.append(f"  {g['name'][:48]:48s} x{g['blocks']:<3d} {g['default_ms']:9.3f} ms -> "
+                         f"{g['best_ms']:9.3f} ms  {json.dumps(g['best'])}")
+    return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from kiln import codegen, frontend
+from kiln import codegen, frontend, tune
 from kiln.ecg import Graph
 from kiln.plan import FusionPlan, partitioner
 from kiln.profile import ProfileStore
@@ -24,6 +25,8 @@ class CompileOptions:
     shapes: Mapping[str, Sequence[int]] = field(default_factory=dict)
     target: str = "host"  # see kiln.target.TARGET_NAMES
     rewrite: bool = True  # math-property graph rewriting (kiln.rewrite) before planning
+    tune: str = "off"  # schedule tuning before codegen: "off", "quick" or "full" (kiln.tune)
+    tune_budget: float | None = None  # seconds for tuning (default kiln.tune.DEFAULT_BUDGET_S)
 
 
 @dataclass
@@ -65,10 +68,20 @@ def compile_artifact(model_path: str | Path, out_path: str | Path, options: Comp
                      store: ProfileStore, on_stage: StageCallback | None = None) -> dict[str, Any]:
     """Compile a model into an artifact at `out_path`; return the report (see kiln.runtime.artifact)."""
     build_target = target(options.target)  # an unknown target fails before any work
+    tune.check_mode(options.tune)
+    tune.check_budget(options.tune_budget)
     result = compile_model(model_path, options, store, on_stage)
     clock = _Stopwatch(on_stage)
-    kernels = clock.run("codegen", codegen.generate, result.plan, build_target)
-    report = result.report | {"seconds": result.report["seconds"] | _rounded(clock.seconds)}
+    schedules: dict[str, dict[str, Any]] = {}
+    extra: dict[str, Any] = {}
+    if options.tune != "off":
+        tuned = clock.run("tune", tune.tune_plan, result.plan, build_target, store, options.tune,
+                          options.tune_budget)
+        schedules, extra = tuned.block_schedules, {"tuning": tuned.report}
+    kernels = clock.run("codegen", partial(codegen.generate, block_schedules=schedules),
+                        result.plan, build_target)
+    report = result.report | extra | {"seconds": result.report["seconds"] |
+                                      _rounded(clock.seconds)}
     report = clock.run("build", build_artifact, result.plan, kernels, build_target, report, out_path)
     return report | {"seconds": report["seconds"] | _rounded(clock.seconds)}
 

@@ -42,7 +42,7 @@ from kiln.mapping import MappingType, Verdict, fuse_types
 from kiln.ops import op_info
 from kiln.plan import Decision, FusionPlan, register_partitioner
 from kiln.plan.blocks import build_plan
-from kiln.profile import ProfileStore
+from kiln.profile import Estimate, ProfileStore
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ class _Planning:
         self.yellow_lookups = 0
         self.block: set[str] = set()
         self.mapping = MappingType.ONE_TO_ONE
-        self._latency: dict[frozenset[str], float] = {}
+        self._latency: dict[tuple[frozenset[str], bool], Estimate] = {}
 
     def run(self, name: str) -> FusionPlan:
         while (seed := self.next_seed()) is not None:
@@ -217,16 +217,25 @@ class _Planning:
 
     # Step 2.3: yellow cases --------------------------------------------------------------
     def faster_fused(self, op: Op) -> bool:
+        """Compares estimates of one kind: when the three answers do not all come from the same
+        source (the tuner measured the final blocks of an earlier plan, not the fused candidate),
+        all three come from the store's fallback model, so that measuring a plan's blocks does
+        not by itself change the next plan of the same model."""
         self.yellow_lookups += 1
-        together = self.latency(self.block | {op.id})
-        apart = self.latency(self.block) + self.latency({op.id})
-        return together <= apart
+        parts = [self.latency(self.block | {op.id}), self.latency(self.block),
+                 self.latency({op.id})]
+        fallback = getattr(self.store, "fallback", None)
+        if len({e.source for e in parts}) > 1 and fallback is not None:
+            parts = [self.latency(self.block | {op.id}, fallback), self.latency(self.block, fallback),
+                     self.latency({op.id}, fallback)]
+        together, block, alone = (e.seconds for e in parts)
+        return together <= block + alone
 
-    def latency(self, members: Iterable[str]) -> float:
-        key = frozenset(members)
+    def latency(self, members: Iterable[str], store: ProfileStore | None = None) -> Estimate:
+        key = (frozenset(members), store is not None)
         if key not in self._latency:
-            ordered = sorted(key, key=self.graph.order.__getitem__)
-            self._latency[key] = self.store.latency(self.graph, ordered).seconds
+            ordered = sorted(key[0], key=self.graph.order.__getitem__)
+            self._latency[key] = (store or self.store).latency(self.graph, ordered)
         return self._latency[key]
 
     # Legality ----------------------------------------------------------------------------

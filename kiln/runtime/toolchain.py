@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -83,14 +84,16 @@ class BuildCache:
         self.compiled = 0
         self.reused = 0
 
-    def objects(self, compiler: Compiler, sources: Mapping[str, str]) -> dict[str, Path]:
-        """Object files for `sources` (name -> C source), compiling the missing ones in parallel."""
+    def objects(self, compiler: Compiler, sources: Mapping[str, str],
+                deadline: float | None = None) -> dict[str, Path]:
+        """Object files for `sources` (name -> C source), compiling the missing ones in parallel;
+        a compile still running at `deadline` (time.monotonic()) is killed (ToolchainError)."""
         keys = {name: compiler.key(source) for name, source in sources.items()}
         missing = {keys[name]: (name, source) for name, source in sources.items()
                    if not self._path(keys[name]).is_file()}
         self.reused += len(set(keys.values())) - len(missing)
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-            for _ in pool.map(lambda item: self._compile(compiler, item[0], *item[1]),
+            for _ in pool.map(lambda item: self._compile(compiler, item[0], *item[1], deadline),
                               missing.items()):
                 self.compiled += 1
         return {name: self._path(key) for name, key in keys.items()}
@@ -98,13 +101,14 @@ class BuildCache:
     def _path(self, key: str) -> Path:
         return self.root / key[:2] / f"{key}.o"
 
-    def _compile(self, compiler: Compiler, key: str, name: str, source: str) -> None:
+    def _compile(self, compiler: Compiler, key: str, name: str, source: str,
+                 deadline: float | None = None) -> None:
         obj = self._path(key)
         c_file = obj.with_suffix(".c")
         write_atomic(c_file, source.encode())
         with _temporary(obj) as tmp:
             run_tool([compiler.command, *compiler.flags, "-c", str(c_file), "-o", str(tmp)],
-                     f"compiling {name}")
+                     f"compiling {name}", deadline)
             os.replace(tmp, obj)
 
 
@@ -120,9 +124,12 @@ def link_executable(compiler: Compiler, objects: Sequence[Path], out: Path) -> N
              "linking the runner")
 
 
-def run_tool(argv: Sequence[str], what: str) -> None:
+def run_tool(argv: Sequence[str], what: str, deadline: float | None = None) -> None:
+    timeout = None if deadline is None else max(deadline - time.monotonic(), 0.001)
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, check=False)
+        done = subprocess.run(argv, capture_output=True, text=True, check=False, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise ToolchainError(f"{what}: stopped at its deadline") from None
     except OSError as exc:
         raise ToolchainError(f"{what}: cannot run {argv[0]}: {exc}") from exc
     if done.returncode != 0:

@@ -1,0 +1,23 @@
+"""Schedule tuning: per distinct block, search the schedule parameters (`kiln.codegen.schedule`)
+by measuring candidate kernels on this CPU, with every measurement kept in the ProfileStore.
+
+    result = tune_plan(plan, target, store, mode="quick", budget_s=60)
+    kernels = generate(plan, target, block_schedules=result.block_schedules)
+
+`space` defines the per-block search space, `harness` compiles and times candidates, `search`
+holds the tuner (`quick`: fixed candidates; `full`: a genetic search).
+"""
+from __future__ import annotations
+
+from kiln.tune.search import (
+    DEFAULT_BUDGET_S,
+    TUNE_MODES,
+    TuneError,
+    TuneResult,
+    check_budget,
+    check_mode,
+    tune_plan,
+)
+
+__all__ = ["DEFAULT_BUDGET_S", "TUNE_MODES", "TuneError", "TuneResult", "check_budget",
+           "check_mode", "tune_plan"]

@@ -1,0 +1,365 @@
+"""The tuner: per distinct block, the schedule that runs fastest on this CPU.
+
+Blocks are grouped by kernel signature (`kiln.signature`): identical transformer layers are one
+group, tuned once, and the winner applies to every block of the group. Groups are tuned heaviest
+first (the profile store's latency estimate × how many blocks share it), so a tight budget goes
+where the time is.
+
+* `quick`: the fixed candidates of `space.QUICK` that change the block's code (at most
+  `space.QUICK_MAX`), measured in one batch.
+* `full`: a small genetic search over the block's relevant genes (DNNFusion §5.3 tunes with a
+  genetic algorithm that starts from any number of chromosomes: here the default schedule, the
+  quick candidates and random ones). Each generation keeps the two best (elitism), fills the
+  rest by tournament selection, uniform crossover and mutation, and is measured as one batch;
+  it stops when a generation brings no kernel it has not seen, after `GENERATIONS`, or when the
+  group's share of the budget is spent. The random generator is seeded by the signature, so a
+  rerun retraces the same search.
+
+Every measurement is recorded in the ProfileStore under (machine, block signature, schedule),
+the schedule being the overrides plus `kernel`, a hash of the generated source (so measurements
+of code that has since changed are never reused) and `threads`. Before measuring, the tuner looks
+the candidate up there: the same block on the same machine with the same code is never measured
+twice, and a second run of the same model measures nothing. The budget is strict: compiles are
+killed at the deadline and no sample starts that would end after it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from kiln.codegen import Kernel, check_supported, generate
+from kiln.errors import KilnError
+from kiln.plan import Block, FusionPlan
+from kiln.profile import MEASURED, ProfileStore
+from kiln.runtime.toolchain import BuildCache, compiler_for
+from kiln.signature import kernel_signature
+from kiln.target import Target, host_target
+from kiln.tune import space
+from kiln.tune.harness import Candidate, Harness
+
+TUNE_MODES = ("off", "quick", "full")
+DEFAULT_BUDGET_S = {"quick": 60.0, "full": 600.0}
+POPULATION = 8
+ELITE = 2
+GENERATIONS = 6
+QUICK_MIN_SHARE = 0.005  # quick skips groups below this share of the model's estimated time
+FULL_MIN_SHARE = 0.0005
+MIN_SAMPLES = 1
+
+
+class TuneError(KilnError):
+    pass
+
+
+@dataclass
+class Group:
+    signature: str
+    blocks: list[Block]
+    index: int  # plan position of the first block (its kernel symbol)
+    weight: float = 0.0
+
+
+@dataclass
+class TuneResult:
+    block_schedules: dict[str, dict[str, Any]] = field(default_factory=dict)
+    report: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def measured(self) -> int:
+        return self.report.get("measured", 0)
+
+    @property
+    def reused(self) -> int:
+        return self.report.get("reused", 0)
+
+
+def check_mode(mode: str) -> str:
+    if mode not in TUNE_MODES:
+        raise TuneError(f"unknown tuning mode {mode!r}; choose one of {', '.join(TUNE_MODES)}")
+    return mode
+
+
+def check_budget(budget: float | None) -> float | None:
+    if budget is None:
+        return None
+    try:
+        value = float(budget)
+    except (TypeError, ValueError):
+        raise TuneError(f"the tuning budget must be a number of seconds, not {budget!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise TuneError(f"the tuning budget must be a positive number of seconds, not {budget!r}")
+    return value
+
+
+def tune_plan(plan: FusionPlan, target: Target, store: ProfileStore, mode: str = "quick",
+              budget_s: float | None = None, threads: int | None = None,
+              log: Callable[[str], None] | None = None) -> TuneResult:
+    """Per-block schedule overrides for `generate(..., block_schedules=...)`, and a report."""
+    check_mode(mode)
+    budget = check_budget(budget_s) or DEFAULT_BUDGET_S.get(mode, 0.0)
+    start = time.monotonic()
+    report: dict[str, Any] = {"mode": mode, "budget_s": budget, "measured": 0, "reused": 0,
+                              "failed": 0, "groups": [], "skipped": {}}
+    if mode == "off":
+        return TuneResult({}, report | {"seconds": 0.0})
+    if not _runs_here(target):
+        report["skipped"]["all"] = (f"target {target.name} ({target.arch}, "
+                                    f"{'/'.join(target.isa)}) cannot be measured on this machine")
+        return TuneResult({}, report | {"seconds": 0.0})
+    check_supported(plan.graph)
+    deadline = start + budget
+    threads = threads or int(os.environ.get("KILN_NUM_THREADS", 0) or 0) or os.cpu_count() or 1
+    groups = _groups(plan, store)
+    total = sum(g.weight for g in groups) or 1.0
+    min_share = QUICK_MIN_SHARE if mode == "quick" else FULL_MIN_SHARE
+    schedules: dict[str, dict[str, Any]] = {}
+    with Harness(plan.graph, compiler_for(target), BuildCache(), threads) as harness:
+        remaining_weight = sum(g.weight for g in groups if g.weight / total >= min_share)
+        for group in groups:
+            name = group.blocks[0].name
+            if group.weight / total < min_share:
+                report["skipped"][name] = "under " + f"{min_share:.2%} of the estimated time"
+                continue
+            now = time.monotonic()
+            if now >= deadline:
+                report["skipped"][name] = "budget spent"
+                continue
+            share = (deadline - now) * group.weight / max(remaining_weight, 1e-30)
+            remaining_weight -= group.weight
+            group_deadline = deadline if mode == "quick" else min(deadline, now + max(share, 0.0))
+            tuner = _GroupTuner(plan, group, target, store, harness, threads, group_deadline)
+            entry = tuner.run(mode)
+            report["measured"] += tuner.measured
+            report["reused"] += tuner.reused
+            report["failed"] += tuner.failed
+            report["groups"].append(entry)
+            if log:
+                log(_describe(entry))
+            if entry["best"]:
+                for block in group.blocks:
+                    schedules[block.id] = dict(entry["best"])
+    report["seconds"] = round(time.monotonic() - start, 3)
+    report["threads"] = threads
+    report["schedules"] = schedules
+    return TuneResult(schedules, report)
+
+
+def _describe(entry: dict[str, Any]) -> str:
+    best = entry.get("best_ms")
+    default = entry.get("default_ms")
+    gain = f", {default / best:.2f}x over default" if best and default else ""
+    return (f"tune {entry['name']} ×{entry['blocks']}: {entry['candidates']} kernels "
+            f"({entry['measured']} measured, {entry['reused']} reused); best "
+            f"{json.dumps(entry['best'])}" + (f" {best:.3f} ms" if best else "") + gain)
+
+
+def _runs_here(target: Target) -> bool:
+    host = host_target()
+    return target.is_native and set(target.isa) <= set(host.isa)
+
+
+def _groups(plan: FusionPlan, store: ProfileStore) -> list[Group]:
+    groups: dict[str, Group] = {}
+    for index, block in enumerate(plan.blocks):
+        if block.is_view:
+            continue
+        signature = kernel_signature(plan.graph, block.op_ids)
+        if signature not in groups:
+            groups[signature] = Group(signature, [], index)
+        groups[signature].blocks.append(block)
+    for g in groups.values():
+        g.weight = _estimate(plan, g.blocks[0], store) * len(g.blocks)
+    return sorted(groups.values(), key=lambda g: (-g.weight, g.index))
+
+
+def _estimate(plan: FusionPlan, block: Block, store: ProfileStore) -> float:
+    try:
+        return float(store.latency(plan.graph, list(block.op_ids)).seconds)
+    except Exception:  # a store without an answer: weigh by FLOPs and bytes
+        ops = [plan.graph.op_by_id[o] for o in block.op_ids]
+        return sum(op.flops for op in ops) * 1e-11 + sum(op.bytes for op in ops) * 1e-10
+
+
+class _GroupTuner:
+    """Tunes one group: candidates → kernels (deduplicated by source) → store or harness."""
+
+    def __init__(self, plan: FusionPlan, group: Group, target: Target, store: ProfileStore,
+                 harness: Harness, threads: int, deadline: float):
+        self.plan, self.group, self.target = plan, group, target
+        self.store, self.harness, self.threads = store, harness, threads
+        self.deadline = deadline
+        self.block = group.blocks[0]
+        self.alone = replace(plan, blocks=(self.block,))  # generate() makes just its kernel
+        self.op_ids = list(self.block.op_ids)
+        self.kernels: dict[str, tuple[str, Kernel] | None] = {}  # overrides key -> (hash, kernel)
+        self.times: dict[str, float] = {}  # kernel hash -> median seconds
+        self.first_overrides: dict[str, dict[str, Any]] = {}  # kernel hash -> overrides
+        self.measured = self.reused = self.failed = 0
+        self.broken: set[str] = set()
+        self.known = self._stored()
+
+    # --- kernels and the store ------------------------------------------------------------
+    def kernel(self, overrides: dict[str, Any]) -> tuple[str, Kernel] | None:
+        key = json.dumps(overrides, sort_keys=True)
+        if key not in self.kernels:
+            try:
+                k = generate(self.alone, self.target, block_schedules={self.block.id: overrides})[0]
+                self.kernels[key] = (space.kernel_hash(k), k)
+            except (KilnError, ValueError, AssertionError, ZeroDivisionError):
+                self.kernels[key] = None  # a combination the generator refuses
+        return self.kernels[key]
+
+    def _stored(self) -> dict[str, float]:
+        """kernel hash -> median of earlier measurements with this thread count."""
+        lookup = getattr(self.store, "schedules", None)
+        if lookup is None:
+            return {}
+        known: dict[str, float] = {}
+        for schedule, median in lookup(self.plan.graph, self.op_ids):
+            h = schedule.get("kernel") if isinstance(schedule, dict) else None
+            if h and schedule.get("threads") == self.threads:
+                known.setdefault(h, median)
+        return known
+
+    def _record(self, overrides: dict[str, Any], h: str, samples: Sequence[float]) -> None:
+        schedule = {**overrides, "kernel": h, "threads": self.threads}
+        try:
+            self.store.record(self.plan.graph, self.op_ids, list(samples), MEASURED,
+                              schedule=schedule)
+        except TypeError:  # a store without schedules: keep the measurement for this run only
+            pass
+
+    def evaluate(self, candidates: Sequence[dict[str, Any]]) -> None:
+        """Times for every candidate's kernel: from this run, the store, or measured now."""
+        batch: dict[str, tuple[dict[str, Any], Kernel]] = {}
+        for overrides in candidates:
+            made = self.kernel(overrides)
+            if made is None:
+                continue
+            h, k = made
+            self.first_overrides.setdefault(h, overrides)
+            if h in self.times or h in self.broken or h in batch:
+                continue
+            if h in self.known:
+                self.times[h] = self.known[h]
+                self.reused += 1
+                continue
+            batch[h] = (overrides, k)
+        if not batch or time.monotonic() >= self.deadline:
+            return
+        result = self.harness.measure([Candidate(h, k) for h, (_, k) in batch.items()],
+                                      self.deadline)
+        for h, (overrides, _) in batch.items():
+            samples = result.samples.get(h, [])
+            if len(samples) >= MIN_SAMPLES:
+                samples = sorted(samples)
+                self.times[h] = samples[len(samples) // 2]
+                self.measured += 1
+                self._record(overrides, h, samples)
+            elif h in result.failed:
+                self.broken.add(h)
+                self.failed += 1
+
+    def time_of(self, overrides: dict[str, Any]) -> float:
+        made = self.kernel(overrides)
+        return self.times.get(made[0], float("inf")) if made else float("inf")
+
+    # --- searches -------------------------------------------------------------------------
+    def run(self, mode: str) -> dict[str, Any]:
+        default = self.kernel({})
+        if default is None:
+            raise TuneError(f"cannot generate block {self.block.id} with the default schedule")
+        genes = self.relevant_genes() if mode == "full" else []
+        quick = self.quick_candidates()
+        if mode == "quick" and len(quick) > 1:
+            self.evaluate(quick)
+        elif mode == "full" and genes:
+            self.evolve(genes, quick)
+        default_s = self.times.get(default[0])
+        best_h = min(self.times, key=self.times.get, default=None)
+        best = self.first_overrides[best_h] if best_h else {}
+        if default_s is None:  # never compare against a default we could not time
+            best, best_h = {}, default[0]
+        return {"name": self.block.name, "signature": self.group.signature[:16],
+                "blocks": len(self.group.blocks), "genes": [g.name for g in genes],
+                "candidates": len(self.times), "measured": self.measured, "reused": self.reused,
+                "failed": self.failed, "best": best,
+                "best_ms": round(self.times[best_h] * 1e3, 4) if best_h in self.times else None,
+                "default_ms": round(default_s * 1e3, 4) if default_s else None}
+
+    def relevant_genes(self) -> list[space.Gene]:
+        """Genes whose first or last alternative changes this block's code (code generation
+        takes tens of ms for a large block: probing every alternative would cost seconds)."""
+        base = self.kernel({})[0]
+        out = []
+        for gene in space.genes(self.target):
+            probes = {0: gene.alternatives[1], 1: gene.alternatives[-1]}.values()
+            if any((made := self.kernel(alt)) is not None and made[0] != base for alt in probes):
+                out.append(gene)
+        return out
+
+    def quick_candidates(self) -> list[dict[str, Any]]:
+        seen: set[str] = set()
+        out = []
+        for overrides in space.QUICK:
+            made = self.kernel(dict(overrides))
+            if made is None or made[0] in seen:
+                continue
+            seen.add(made[0])
+            out.append(dict(overrides))
+            if len(out) == space.QUICK_MAX:
+                break
+        return out
+
+    def evolve(self, genes: list[space.Gene], seeds: list[dict[str, Any]]) -> None:
+        rng = random.Random(int(self.group.signature[:12], 16))
+        if not genes:
+            self.evaluate(seeds)
+            return
+
+        def overrides(genome: tuple[int, ...]) -> dict[str, Any]:
+            return space.merge([g.alternatives[i] for g, i in zip(genes, genome)])
+
+        def random_genome() -> tuple[int, ...]:
+            return tuple(rng.randrange(len(g.alternatives)) for g in genes)
+
+        def mutate(genome: tuple[int, ...]) -> tuple[int, ...]:
+            out = list(genome)
+            positions = [i for i in range(len(genes)) if rng.random() < 1.0 / len(genes)]
+            for i in positions or [rng.randrange(len(genes))]:
+                out[i] = rng.randrange(len(genes[i].alternatives))
+            return tuple(out)
+
+        population = [tuple(0 for _ in genes)]
+        while len(population) < POPULATION:
+            population.append(random_genome())
+        self.evaluate(seeds + [overrides(g) for g in population])
+        for _ in range(GENERATIONS):
+            if time.monotonic() >= self.deadline:
+                return
+            ranked = sorted(set(population), key=lambda g: self.time_of(overrides(g)))
+            ranked = [g for g in ranked if self.time_of(overrides(g)) < float("inf")] or ranked
+            children = ranked[:ELITE]
+            seen = {self.kernel(overrides(g))[0] for g in children if self.kernel(overrides(g))}
+            tries = 0
+            while len(children) < POPULATION and tries < 20 * POPULATION:
+                tries += 1
+                a = min(rng.sample(ranked, min(2, len(ranked))), key=lambda g: self.time_of(overrides(g)))
+                b = min(rng.sample(ranked, min(2, len(ranked))), key=lambda g: self.time_of(overrides(g)))
+                child = mutate(tuple(x if rng.random() < 0.5 else y for x, y in zip(a, b)))
+                made = self.kernel(overrides(child))
+                if made is None or made[0] in seen:
+                    continue
+                seen.add(made[0])
+                children.append(child)
+            fresh = [g for g in children if self.kernel(overrides(g))
+                     and self.kernel(overrides(g))[0] not in self.times]
+            if not fresh:
+                return  # converged: nothing new to try
+            self.evaluate([overrides(g) for g in children])
+            population = children
