@@ -207,6 +207,8 @@ class _GroupTuner:
     def kernel(self, overrides: dict[str, Any]) -> tuple[str, Kernel] | None:
         key = json.dumps(overrides, sort_keys=True)
         if key not in self.kernels:
+            if time.monotonic() >= self.deadline:
+                return None  # out of time (not remembered: the next run may have time for it)
             try:
                 k = generate(self.alone, self.target, block_schedules={self.block.id: overrides})[0]
                 self.kernels[key] = (space.kernel_hash(k), k)
@@ -273,7 +275,10 @@ class _GroupTuner:
     def run(self, mode: str) -> dict[str, Any]:
         default = self.kernel({})
         if default is None:
-            raise TuneError(f"cannot generate block {self.block.id} with the default schedule")
+            return {"name": self.block.name, "signature": self.group.signature[:16],
+                    "blocks": len(self.group.blocks), "genes": [], "candidates": 0,
+                    "measured": 0, "reused": 0, "failed": 0, "best": {}, "best_ms": None,
+                    "default_ms": None}
         genes = self.relevant_genes() if mode == "full" else []
         quick = self.quick_candidates()
         if mode == "quick" and len(quick) > 1:
