@@ -108,8 +108,11 @@ def check_runs_here(artifact: Artifact) -> None:
 
 def bind_inputs(inputs: Sequence[TensorInfo], args: Sequence[Any],
                 kwargs: Mapping[str, Any]) -> list[Any]:
-    """The inputs in the model's order, from positional and keyword arguments."""
+    """The inputs in the model's order, from positional and keyword arguments, or from one
+    mapping of input names to arrays (what onnxruntime's `run` takes)."""
     names = [t.name for t in inputs]
+    if len(args) == 1 and isinstance(args[0], Mapping) and not kwargs:
+        args, kwargs = (), args[0]
     if len(args) > len(names):
         raise KilnError(f"the model takes {len(names)} input(s) ({', '.join(names)}), "
                         f"but {len(args)} were given")

@@ -44,6 +44,9 @@ def test_load_and_call_by_name_or_position(mlp_artifact, mlp_model):
     assert list(by_name) == ["y", "z", "x", "c"]  # a dict: the duplicate "y" appears once
     assert_outputs(model.run(X), mlp_model, X)
     np.testing.assert_array_equal(model(X)["z"], by_name["z"])
+    np.testing.assert_array_equal(model({"x": X})["z"], by_name["z"])  # a feed dict, as in ort
+    with pytest.raises(KilnError, match="unknown input 'w'"):
+        model({"w": X})
 
 
 def test_each_call_returns_fresh_arrays(mlp_artifact):
