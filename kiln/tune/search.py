@@ -178,8 +178,9 @@ def _groups(plan: FusionPlan, store: ProfileStore) -> list[Group]:
 
 
 def _estimate(plan: FusionPlan, block: Block, store: ProfileStore) -> float:
-    try:
-        return float(store.latency(plan.graph, list(block.op_ids)).seconds)
+    model = getattr(store, "fallback", None) or store  # the model, not measurements: the
+    try:                                                  # same weights on every run
+        return float(model.latency(plan.graph, list(block.op_ids)).seconds)
     except Exception:  # a store without an answer: weigh by FLOPs and bytes
         ops = [plan.graph.op_by_id[o] for o in block.op_ids]
         return sum(op.flops for op in ops) * 1e-11 + sum(op.bytes for op in ops) * 1e-10
