@@ -53,7 +53,7 @@ def add_commands(commands) -> None:
     _client_args(submit)
     submit.set_defaults(handler=_submit)
 
-    admin = commands.add_parser("admin", help="tenants, API keys and migrations")
+    admin = commands.add_parser("admin", help="tenants, API keys, device agents and migrations")
     admin_commands = admin.add_subparsers(dest="admin_command", required=True)
     tenant = admin_commands.add_parser("create-tenant", help="add a tenant; print its id")
     tenant.add_argument("name")
@@ -62,6 +62,16 @@ def add_commands(commands) -> None:
     key.add_argument("tenant", help="tenant name or id")
     key.add_argument("--name", default="", help="a label for the key")
     key.set_defaults(handler=_create_key)
+    agent = admin_commands.add_parser("create-agent", help="add a device agent; print its token "
+                                      "(shown once, stored hashed)")
+    agent.add_argument("name", help="a unique name for the agent")
+    agent.add_argument("--token-file", metavar="PATH",
+                       help="write the token to PATH (mode 0600) instead of printing it")
+    agent.set_defaults(handler=_create_agent)
+    revoke = admin_commands.add_parser("revoke-agent", help="revoke an agent's token; its "
+                                       "devices go offline and their tasks return to the queue")
+    revoke.add_argument("agent", help="agent name or id")
+    revoke.set_defaults(handler=_revoke_agent)
     migrate = admin_commands.add_parser("migrate", help="upgrade the database schema to head")
     migrate.set_defaults(handler=_migrate)
 
@@ -152,6 +162,41 @@ def _create_key(args: argparse.Namespace) -> int:
     except TenantError as exc:
         print(f"kiln: error: {exc}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _create_agent(args: argparse.Namespace) -> int:
+    from service.db import database
+    from service.devices.service import AgentError, create_agent
+    from service.migrate import upgrade
+
+    settings = _settings(args)
+    upgrade(settings.database_url)
+    try:
+        _agent, token = create_agent(database(settings.database_url), args.name)
+    except AgentError as exc:
+        print(f"kiln: error: {exc}", file=sys.stderr)
+        return 2
+    if args.token_file:
+        path = Path(args.token_file)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(token + "\n")
+        print(f"agent {args.name}: token written to {path}")
+    else:
+        print(token)
+    return 0
+
+
+def _revoke_agent(args: argparse.Namespace) -> int:
+    from service.db import database
+    from service.devices.service import revoke_agent
+
+    settings = _settings(args)
+    if not revoke_agent(database(settings.database_url), args.agent):
+        print(f"kiln: error: no agent named or with id {args.agent!r}", file=sys.stderr)
+        return 2
+    print(f"agent {args.agent}: revoked")
     return 0
 
 

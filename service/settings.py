@@ -48,6 +48,23 @@ class Settings(BaseSettings):
     broker_poll_seconds: float = Field(0.2, gt=0, description="polling of the embedded broker")
     events_poll_seconds: float = Field(0.25, gt=0, description="polling behind the SSE stream")
 
+    # Device agents and the profiling database (service.devices, service.profiles).
+    agent_lease_seconds: float = Field(300.0, gt=0, description=(
+        "a claimed measurement task returns to the queue when its device has not mentioned it in "
+        "a heartbeat for this long"))
+    device_offline_after_seconds: float = Field(90.0, gt=0, description=(
+        "a device without a heartbeat for this long is offline; its claimed tasks are requeued"))
+    measure_max_attempts: int = Field(3, ge=1, description="claims of a measurement task before it fails")
+    measure_local: bool = Field(True, description=(
+        "on a profile miss for the host target, workers measure the kernel on their own CPU"))
+    measure_wait_seconds: float = Field(30.0, ge=0, description=(
+        "how long a compile waits for an agent to measure one missed kernel"))
+    measure_budget_seconds: float = Field(120.0, ge=0, description=(
+        "total waiting for agents per compile; after it the cost model answers at once"))
+    measure_task_ttl_seconds: float = Field(3600.0, gt=0, description=(
+        "a measurement task nobody claimed for this long expires"))
+    measure_runs: int = Field(10, ge=1, le=100_000, description="timed runs per measurement")
+
     @model_validator(mode="after")
     def _fill_defaults(self) -> "Settings":
         self.data_dir = self.data_dir.expanduser()

@@ -73,10 +73,20 @@ class Heartbeat(threading.Thread):
 
 
 @lru_cache(maxsize=4)
-def _profile_store(path: str | None):
+def _file_profile_store(path: str):
     from kiln.profile.local import default_store
 
     return default_store(path)
+
+
+def profile_store(settings: Settings, db: Database, storage: Storage, target: str):
+    """The compile's ProfileStore: the service database (workers.profile_store), or the kiln
+    SQLite file at KILN_PROFILE_DB when one is configured."""
+    if settings.profile_db:
+        return _file_profile_store(str(settings.profile_db))
+    from workers.profile_store import DatabaseProfileStore
+
+    return DatabaseProfileStore(db, storage, settings, target)
 
 
 def compile_options(claim: lifecycle.Claim):
@@ -126,9 +136,10 @@ def run_job(settings: Settings, db: Database, job_id: str, worker: str) -> str:
         named.parent.mkdir()
         named.symlink_to(model_path)
         built = build_dir / "model.kiln"
-        report = pipeline.compile_artifact(named, built, compile_options(claim),
-                                           _profile_store(settings.profile_db and
-                                                          str(settings.profile_db)), on_stage)
+        store = profile_store(settings, db, storage, claim.target)
+        report = pipeline.compile_artifact(named, built, compile_options(claim), store, on_stage)
+        if hasattr(store, "stats"):
+            log.info("job %s: profile answers %s", job_id, store.stats())
         seconds = clock.enter(None)
         if beat.lost.is_set():
             raise JobAborted(job_id)

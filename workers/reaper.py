@@ -24,6 +24,12 @@ def reap_once(settings: Settings, celery_app) -> list[str]:
     for job_id in ids:
         log.warning("job %s: its worker went silent; requeued", job_id)
         dispatcher.enqueue(job_id)
+    from service.devices.service import reap
+
+    lost = reap(db, settings.device_offline_after_seconds)
+    if lost:
+        log.warning("measurement tasks %s returned to the queue (device silent or lease expired)",
+                    ", ".join(lost))
     waiting = lifecycle.resend_queued(db, settings.resend_queued_seconds)
     for job_id in waiting:
         log.info("job %s: queued for over %.0f s; its message is sent again", job_id,

@@ -1,9 +1,8 @@
-"""The agent's main loop against a real HTTP server speaking the agent contract.
+"""The agent's main loop against the real service (uvicorn, SQLite and PostgreSQL).
 
-The server is tests/device_agents/fake_service.py — a test double, because the service's agent
-routes are not written yet (part B of issue 7) — while the devices are real: this machine, a real
-OpenSSH server on loopback and the stand-in phone (an ADB wire-protocol peer running aarch64
-runners under qemu).
+Everything is real: the service's agent routes in their own process with their database, this
+machine, a real OpenSSH server on loopback and the stand-in phone (an ADB wire-protocol peer running
+aarch64 runners under qemu). Results land as profile entries in the database.
 """
 from __future__ import annotations
 
@@ -21,23 +20,52 @@ from device_agents.cli import main
 from device_agents.client import AuthError, ServiceClient, ServiceError
 from device_agents.config import AgentConfig, ConfigError, load_config
 from device_agents.measure import RUNNER_NAME
-from tests.device_agents.fake_service import FakeService
+from service.devices.tables import Device as Device_
+from tests.device_agents.live_service import LiveService, mlp_kernels
 from tests.device_agents.test_measure import LyingBackend, good_report
+from tests.service.stack import create_database, drop_database, postgres_available
 
-TOKEN = "agent-token-0123456789"
+
+def _service(tmp_path, url: str):
+    live = LiveService(tmp_path / "service", url)
+    live.start()
+    return live
 
 
 @pytest.fixture
-def service():
-    fake = FakeService(TOKEN)
-    fake.start()
-    yield fake
-    fake.stop()
+def service(tmp_path):
+    """The real service on SQLite."""
+    live = _service(tmp_path, f"sqlite:///{tmp_path / 'kiln.sqlite'}")
+    yield live
+    live.stop()
 
 
-def config(tmp_path: Path, service: FakeService, *, local: bool = True, sshd=None, phone=None,
+@pytest.fixture(params=["sqlite", "postgresql"])
+def any_service(request, tmp_path):
+    """The real service on SQLite, then on PostgreSQL."""
+    if request.param == "sqlite":
+        live = _service(tmp_path, f"sqlite:///{tmp_path / 'kiln.sqlite'}")
+        yield live
+        live.stop()
+        return
+    if not postgres_available():
+        pytest.skip("PostgreSQL on 127.0.0.1:5432 is needed")
+    url = create_database()
+    live = _service(tmp_path, url)
+    try:
+        yield live
+    finally:
+        live.stop()
+        live.db.dispose()
+        from service.db import _databases
+
+        _databases.pop(url, None)
+        drop_database(url)
+
+
+def config(tmp_path: Path, service: LiveService, *, local: bool = True, sshd=None, phone=None,
            **extra) -> AgentConfig:
-    data = {"server": service.url, "token": TOKEN, "work_dir": str(tmp_path / "agent"),
+    data = {"server": service.url, "token": service.token, "work_dir": str(tmp_path / "agent"),
             "poll_interval": 0.05, "heartbeat_interval": 0.2, "reconnect_interval": 0.5,
             "local": local, "adb_key": str(tmp_path / "adbkey"), **extra}
     if sshd is not None:
@@ -67,36 +95,43 @@ async def run_until(agent: Agent, done, timeout: float = 60.0) -> None:
     assert done(), "the agent did not finish in time"
 
 
-def test_agent_measures_on_every_device(tmp_path, service, sshd, phone, host_artifact_path,
+def test_agent_measures_on_every_device(tmp_path, any_service, sshd, phone, host_artifact_path,
                                         arm_artifact_path, host_artifact):
-    for i in (1, 2, 3):
-        service.add_task(f"host-{i}", host_artifact_path, "x86_64")
-    service.add_task("arm-1", arm_artifact_path, "aarch64")
+    """Registration, heartbeats, claims and results over HTTP; entries land in the database."""
+    service = any_service
+    host = [service.add_task(host_artifact_path, "x86_64") for _ in range(3)]
+    arm = service.add_task(arm_artifact_path, "aarch64")
     agent = Agent(config(tmp_path, service, sshd=sshd, phone=phone))
     asyncio.run(run_until(agent, service.finished))
 
-    kinds = {d.name: d.facts.kind for d in service.devices.values()}
-    assert kinds["phone"] == "phone" and kinds["local"] in ("cpu", "gpu-host")
-    local, ssh = (service.devices[service.device_id(n)] for n in ("local", "ssh-box"))
-    assert local.fingerprint == ssh.fingerprint  # the same machine, seen two ways
-    assert ssh.address == f"{sshd.user}@127.0.0.1:{sshd.port}"
-    assert {r.status for r in service.results} == {"ok"}
-    symbols = [k["symbol"] for k in host_artifact.manifest["kernels"]]
-    for result in service.results:
-        assert [k.symbol for k in result.kernels] == symbols
-        assert all(len(k.samples_s) == 2 for k in result.kernels)
-    arm = service.tasks["arm-1"].result
-    assert arm.device_id == service.device_id("phone") and arm.emulated
-    assert {service.tasks[f"host-{i}"].device_id for i in (1, 2, 3)} <= {
-        service.device_id("local"), service.device_id("ssh-box")}
-    assert service.downloads.count("arm-1") == 1
-    statuses = {d.status for beat in service.heartbeats for d in beat.devices}
-    assert p.DeviceState.online in statuses
+    devices = service.devices()
+    assert devices["phone"].kind == "phone" and devices["local"].kind in ("cpu", "gpu-host")
+    assert devices["phone"].arch == "aarch64" and devices["phone"].emulated
+    assert devices["local"].fingerprint == devices["ssh-box"].fingerprint  # one machine, two ways
+    assert devices["ssh-box"].address == f"{sshd.user}@127.0.0.1:{sshd.port}"
+    assert devices["ssh-box"].transport == "ssh" and devices["phone"].transport == "adb"
+    assert all(d.last_heartbeat_at is not None for d in devices.values())
+    tasks = service.tasks()
+    assert {t.status for t in tasks.values()} == {"done"}
+    assert tasks[arm].device_id == devices["phone"].id
+    assert {tasks[t].device_id for t in host} <= {devices["local"].id, devices["ssh-box"].id}
+    assert all(t.entries == 3 and t.attempts == 1 for t in tasks.values())
+
+    entries = service.entries()
+    signatures = {v["signature"] for v in mlp_kernels().values()}
+    by_device = {}
+    for e in entries:
+        by_device.setdefault(e.device_fingerprint, set()).add(e.signature)
+        assert e.source == "measured" and e.schedule == "{}" and e.toolchain == "test"
+        assert 0 < e.p10_s <= e.median_s <= e.p90_s < 60
+        assert e.n == 3 * 2  # runs x repeats: the runner's per-run times
+    assert by_device == {devices["local"].fingerprint: signatures,
+                         devices["phone"].fingerprint: signatures}
 
 
-def test_phone_lost_mid_batch_releases_its_tasks(tmp_path, service, phone, arm_artifact_path):
-    service.add_task("arm-1", arm_artifact_path, "aarch64")
-    service.add_task("arm-2", arm_artifact_path, "aarch64")
+def test_phone_lost_mid_batch_requeues_its_tasks(tmp_path, service, phone, arm_artifact_path):
+    first = service.add_task(arm_artifact_path, "aarch64")
+    second = service.add_task(arm_artifact_path, "aarch64")
     phone.vanish_when = lambda command: f"{RUNNER_NAME} -n " in command.replace("'", "")
     agent = Agent(config(tmp_path, service, local=False, phone=phone))
     device = agent.devices[0]
@@ -107,21 +142,26 @@ def test_phone_lost_mid_batch_releases_its_tasks(tmp_path, service, phone, arm_a
         phone_id = device.device_id
         assert await agent.work_once(device) == 0 and phone.vanished.is_set()
         assert device.state == p.DeviceState.offline and "lost" in device.error
-        assert [(r.device_id, r.task_ids) for r in service.releases] == [
-            (phone_id, ["arm-1", "arm-2"])]
-        assert {t.state for t in service.tasks.values()} == {"queued"}  # back in the queue
-        assert service.last_status("phone") == p.DeviceState.offline
-        assert not service.results
+        tasks = service.tasks()
+        assert {t.status for t in tasks.values()} == {"queued"}  # back in the queue
+        assert all(t.device_id is None and t.attempts == 1 for t in tasks.values())
+        registered = service.devices()["phone"]
+        assert registered.status == "offline" and "lost" in registered.error
+        assert not service.entries()
 
         phone.vanish_when = None
         phone.revive()
         await agent.discover()
         assert device.device_id == phone_id  # registered again under the same id
+        assert service.devices()["phone"].status == "online"
         assert await agent.work_once(device) == 2
-        assert {t.state for t in service.tasks.values()} == {"done"}
         await agent.close()
 
     asyncio.run(scenario())
+    tasks = service.tasks()
+    assert tasks[first].status == tasks[second].status == "done"
+    assert tasks[first].attempts == 2
+    assert len(service.entries()) == 3
 
 
 def test_unknown_devices_register_again(tmp_path, service):
@@ -130,19 +170,20 @@ def test_unknown_devices_register_again(tmp_path, service):
     async def scenario():
         await agent.discover()
         first = agent.devices[0].device_id
-        service.devices.clear()  # the service lost its records
+        with service.db.write() as s:  # the service lost its records
+            s.execute(Device_.__table__.delete())
         await agent.heartbeat()
         second = agent.devices[0].device_id
         await agent.close()
         return first, second
 
     first, second = asyncio.run(scenario())
-    assert first != second and service.devices[second].name == "local"
+    assert first != second and service.device_id("local") == second
 
 
 def test_ssh_host_lost_mid_run(tmp_path, service, sshd, host_artifact_path):
-    service.add_task("host-1", host_artifact_path, "x86_64", runs=100_000, repeats=20)
-    service.add_task("host-2", host_artifact_path, "x86_64", runs=100_000, repeats=20)
+    first = service.add_task(host_artifact_path, "x86_64", runs=100_000, repeats=20)
+    second = service.add_task(host_artifact_path, "x86_64", runs=100_000, repeats=20)
     killed = threading.Event()
 
     def kill_when_the_runner_runs():
@@ -161,7 +202,7 @@ def test_ssh_host_lost_mid_run(tmp_path, service, sshd, host_artifact_path):
 
     watcher = threading.Thread(target=kill_when_the_runner_runs, daemon=True)
     watcher.start()
-    agent = Agent(config(tmp_path, service, local=False, sshd=sshd))
+    agent = Agent(config(tmp_path, service, local=False, sshd=sshd, max_tasks=2))
 
     async def scenario():
         await agent.discover()
@@ -173,15 +214,43 @@ def test_ssh_host_lost_mid_run(tmp_path, service, sshd, host_artifact_path):
     watcher.join()
     assert killed.is_set() and finished == 0
     assert agent.devices[0].state == p.DeviceState.offline
-    assert [r.task_ids for r in service.releases] == [["host-1", "host-2"]]
-    assert service.last_status("ssh-box") == p.DeviceState.offline
-    assert {t.state for t in service.tasks.values()} == {"queued"}
+    assert service.devices()["ssh-box"].status == "offline"
+    tasks = service.tasks()
+    assert {tasks[first].status, tasks[second].status} == {"queued"}
+    assert tasks[first].attempts == tasks[second].attempts == 1
+    assert not service.entries()
+
+
+def test_a_silent_device_goes_offline_and_its_lease_returns(tmp_path, service,
+                                                           host_artifact_path):
+    """Missed heartbeats: the service itself takes the device offline and requeues its work."""
+    from datetime import timedelta
+
+    from service.db import utcnow
+    from service.devices import service as devices
+
+    task = service.add_task(host_artifact_path, "x86_64")
+    agent = Agent(config(tmp_path, service))
+
+    async def scenario():
+        await agent.discover()
+        reply = await agent.client.claim(p.ClaimRequest(device_id=agent.devices[0].device_id))
+        await agent.close()
+        return reply
+
+    assert [t.task_id for t in asyncio.run(scenario()).tasks] == [task]
+    assert service.tasks()[task].status == "claimed"
+    assert devices.reap(service.db, offline_after_s=60) == []  # heartbeats are recent
+    later = utcnow() + timedelta(seconds=61)
+    assert devices.reap(service.db, offline_after_s=60, now=later) == [task]
+    assert service.tasks()[task].status == "queued"
+    assert service.devices()["local"].status == "offline"
 
 
 def test_tasks_that_cannot_be_measured_are_reported_failed(tmp_path, service, phone,
                                                            host_artifact_path, host_artifact):
-    service.add_task("wrong-arch", host_artifact_path, None)
-    service.add_task("lying", host_artifact_path, "x86_64", runs=3)
+    wrong = service.add_task(host_artifact_path, "aarch64")  # an x86 artifact queued for phones
+    lying = service.add_task(host_artifact_path, "x86_64", runs=3)
     report = json.dumps(good_report(host_artifact.manifest, runs=3)).replace(
         '"median_ns": 600', '"median_ns": -600', 1)
     cfg = config(tmp_path, service, local=False, phone=phone)
@@ -189,31 +258,34 @@ def test_tasks_that_cannot_be_measured_are_reported_failed(tmp_path, service, ph
     agent = Agent(cfg)
     agent.devices.append(liar)
     asyncio.run(run_until(agent, service.finished))
-    errors = {r.task_id: r.error for r in service.results}
-    assert {r.status for r in service.results} == {"failed"}
-    assert "built for x86_64" in errors["wrong-arch"] or "-600" in errors["wrong-arch"]
-    assert "-600" in errors["lying"] and "latencies must be finite, > 0" in errors["lying"]
+    tasks = service.tasks()
+    assert {t.status for t in tasks.values()} == {"failed"}
+    assert "built for x86_64" in tasks[wrong].error
+    assert "-600" in tasks[lying].error and "latencies must be finite, > 0" in tasks[lying].error
+    assert not service.entries()
 
 
 def test_a_refused_token_stops_the_agent(tmp_path, service, capsys):
-    cfg = config(tmp_path, service).model_copy(update={"token": "wrong"})
+    cfg = config(tmp_path, service).model_copy(update={"token": "kagent_0123456789ab_wrong"})
     with pytest.raises(AuthError, match="401"):
         asyncio.run(Agent(cfg).run(once=True))
     path = tmp_path / "agent.toml"
     path.write_text(f'server = "{service.url}"\ntoken = "wrong"\nwork_dir = "w"\n')
     assert main(["--config", str(path), "--once"]) == 1
     assert "refused this agent's token" in capsys.readouterr().err
+    assert not service.devices()  # nothing was stored
 
 
 def test_cli_once_registers_and_measures(tmp_path, service, host_artifact_path):
-    service.add_task("host-1", host_artifact_path, "x86_64")
-    (tmp_path / "token").write_text(TOKEN + "\n")
+    task = service.add_task(host_artifact_path, "x86_64")
+    (tmp_path / "token").write_text(service.token + "\n")
     path = tmp_path / "agent.toml"
     path.write_text(f'server = "{service.url}"\ntoken_file = "token"\nwork_dir = "w"\n'
                     f'poll_interval = 0.1\n')
     assert main(["--config", str(path), "--once", "--log-level", "WARNING"]) == 0
-    assert service.tasks["host-1"].state == "done"
+    assert service.tasks()[task].status == "done"
     assert (tmp_path / "w" / "cache" / "downloads").is_dir()
+    assert len(service.entries()) == 3
 
 
 def test_cli_facts(tmp_path, capsys):
@@ -260,7 +332,7 @@ host = "192.168.1.2"
 
 
 def test_the_token_goes_to_the_service_only():
-    client = ServiceClient("http://kiln.internal:8000/base", TOKEN)
+    client = ServiceClient("http://kiln.internal:8000/base", "kagent_x_y")
     assert str(client.artifact_url("/v1/agents/artifacts/7")) == (
         "http://kiln.internal:8000/v1/agents/artifacts/7")
     assert str(client.artifact_url("artifacts/7")) == "http://kiln.internal:8000/base/artifacts/7"

@@ -24,7 +24,10 @@ REDIS_URL = os.environ.get("KILN_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 # Short timings so that a killed worker's job is requeued within seconds.
 FAST = {"KILN_HEARTBEAT_SECONDS": "0.5", "KILN_STALE_AFTER_SECONDS": "4",
         "KILN_REAP_INTERVAL_SECONDS": "1", "KILN_BROKER_POLL_SECONDS": "0.05",
-        "KILN_EVENTS_POLL_SECONDS": "0.1"}
+        "KILN_EVENTS_POLL_SECONDS": "0.1",
+        # Compile tests answer profile misses from the cost model instead of measuring each
+        # kernel (tests/device_agents/test_profile_store.py measures).
+        "KILN_MEASURE_LOCAL": "0"}
 
 
 def _die_with_parent() -> None:

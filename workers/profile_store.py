@@ -1,0 +1,162 @@
+"""The workers' ProfileStore: the shared profiling database, measuring what it lacks.
+
+    store = DatabaseProfileStore(db, storage, settings, target_name="host")
+    estimate = store.latency(graph, op_ids)   # Estimate(seconds, source)
+
+A lookup (`latency`) asks the database for the kernel's signature on the device class of the
+compile's target — the best entry, measured before predicted. On a miss:
+
+1. target `host` (and KILN_MEASURE_LOCAL, the default): the kernel is built alone as a probe
+   artifact and measured on this machine with the agents' own code; the entry is stored under
+   this machine's device fingerprint and the answer is `measured`;
+2. another target: when an online agent device of the target's architecture exists, a
+   measurement task is queued for its device class and the lookup waits for its result up to
+   KILN_MEASURE_WAIT_SECONDS (and KILN_MEASURE_BUDGET_SECONDS over the whole compile);
+3. otherwise, or when that fails or times out, the roofline cost model answers (`cost-model`).
+
+Blocks that run no kernel of their own (views) and blocks that cannot be built alone go straight
+to the cost model. `stats()` counts the answers by kind, for reports and benchmarks.
+"""
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+from collections import Counter
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Sequence
+
+from kiln.ecg import Graph
+from kiln.profile import COST_MODEL, MEASURED, Estimate
+from kiln.profile.machine import host_machine
+from kiln.profile.roofline import RooflineModel
+from kiln.signature import canonical_json
+from service.db import Database, utcnow
+from service.devices import service as devices
+from service.profiles import service as profiles
+from service.profiles.measure import local_facts, measure_here, submit_probes
+from service.settings import Settings
+from service.storage import Storage
+
+log = logging.getLogger("kiln.worker")
+POLL_S = 0.2
+
+
+class DatabaseProfileStore:
+    def __init__(self, db: Database, storage: Storage, settings: Settings, target_name: str = "host"):
+        from kiln.target import target
+
+        self.db, self.storage, self.settings = db, storage, settings
+        self.target = target(target_name)
+        self.local = target_name == "host"
+        self.fallback = RooflineModel(host_machine())
+        self.counts: Counter[str] = Counter()
+        self.wait_budget = settings.measure_budget_seconds
+        self._unmeasurable: set[str] = set()
+        self.fingerprint = self._device_class()
+
+    def _device_class(self) -> str | None:
+        if self.local:
+            return local_facts().fingerprint
+        online = devices.online_devices(self.db, arch=self.target.arch)
+        return online[0].fingerprint if online else None
+
+    def stats(self) -> dict[str, int]:
+        return dict(self.counts)
+
+    # --- ProfileStore ---------------------------------------------------------------------------
+    def latency(self, graph: Graph, op_ids: Sequence[str]) -> Estimate:
+        from kiln.profile.probe import ProbeError, make_probe
+
+        try:
+            probe = make_probe(graph, op_ids)
+        except (ProbeError, ValueError, TypeError):
+            return self._cost_model(graph, op_ids, "unmeasurable")
+        if self.fingerprint is not None:
+            with self.db.read() as s:
+                hit = profiles.best(s, self.fingerprint, probe.signature)
+            if hit is not None:
+                self.counts["hit"] += 1
+                return Estimate(hit[0], hit[1])
+        if probe.signature in self._unmeasurable or self.fingerprint is None:
+            return self._cost_model(graph, op_ids, "no-device")
+        if self.local and not self.settings.measure_local:
+            return self._cost_model(graph, op_ids, "measuring off")
+        try:
+            seconds = self._measure_local(probe) if self.local else self._measure_remote(probe)
+        except Exception as exc:  # noqa: BLE001 - a kernel that cannot be measured: cost model
+            log.info("kernel %s cannot be measured (%s: %s); the cost model answers",
+                     probe.signature[:12], type(exc).__name__, exc)
+            self._unmeasurable.add(probe.signature)
+            seconds = None
+        if seconds is None:
+            return self._cost_model(graph, op_ids, "fallback")
+        return Estimate(seconds, MEASURED)
+
+    def record(self, graph: Graph, op_ids: Sequence[str], seconds: Sequence[float],
+               source: str = MEASURED, schedule: dict[str, Any] | None = None,
+               toolchain: str = "") -> None:
+        from kiln.profile.probe import make_probe
+
+        if self.fingerprint is None:
+            raise profiles.ProfileError(f"no device class for target {self.target.name}")
+        samples = [seconds] if isinstance(seconds, (int, float)) else list(seconds)
+        probe = make_probe(graph, op_ids)
+        profiles.record(self.db, self.fingerprint, [profiles.NewEntry(
+            probe.signature, canonical_json(schedule or {}), profiles.summarize(samples),
+            source=source, toolchain=toolchain, description=probe.description)])
+
+    # --- measuring ------------------------------------------------------------------------------
+    def _cost_model(self, graph: Graph, op_ids: Sequence[str], why: str) -> Estimate:
+        self.counts[f"cost-model ({why})"] += 1
+        estimate = self.fallback.latency(graph, op_ids)
+        return Estimate(estimate.seconds, COST_MODEL)
+
+    def _build(self, probe, folder: Path):
+        from kiln.profile.probe import build_probes
+
+        built = build_probes([probe], self.target, folder / "probe.kiln")
+        if not built.kernels:
+            reason = built.skipped[0][1] if built.skipped else "nothing to build"
+            raise RuntimeError(reason)
+        return built
+
+    def _measure_local(self, probe) -> float:
+        with tempfile.TemporaryDirectory(prefix="kiln-measure-", dir=self.storage.tmp) as tmp:
+            built = self._build(probe, Path(tmp))
+            entries = measure_here(built, Path(tmp), runs=self.settings.measure_runs)
+        profiles.record(self.db, self.fingerprint, entries)
+        self.counts["measured-local"] += 1
+        return next(e.summary.median_s for e in entries if e.signature == probe.signature)
+
+    def _measure_remote(self, probe) -> float | None:
+        if self.wait_budget <= 0:
+            return None
+        with tempfile.TemporaryDirectory(prefix="kiln-measure-", dir=self.storage.tmp) as tmp:
+            built = self._build(probe, Path(tmp))
+            wait = min(self.settings.measure_wait_seconds, self.wait_budget)
+            task = submit_probes(
+                self.db, self.storage, built, self.target.arch,
+                device_fingerprint=self.fingerprint, runs=self.settings.measure_runs,
+                priority=10, max_attempts=self.settings.measure_max_attempts,
+                deadline=utcnow() + timedelta(seconds=self.settings.measure_task_ttl_seconds))
+        self.counts["dispatched"] += 1
+        started = time.monotonic()
+        try:
+            while time.monotonic() - started < wait:
+                status = devices.task_status(self.db, [task]).get(task)
+                if status == devices.DONE:
+                    with self.db.read() as s:
+                        hit = profiles.best(s, self.fingerprint, probe.signature)
+                    if hit is not None:
+                        self.counts["measured-agent"] += 1
+                        return hit[0]
+                    return None
+                if status in (devices.FAILED, devices.EXPIRED):
+                    return None
+                time.sleep(POLL_S)
+            self.counts["timed-out"] += 1
+            return None  # the task stays queued: its result fills the database for later compiles
+        finally:
+            self.wait_budget -= time.monotonic() - started
