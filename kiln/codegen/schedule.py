@@ -32,12 +32,13 @@ class Schedule:
     conv_gemm_min_cout: int = 16
     conv_tile_cout: int = 4
     conv_tile_w: int = 256
-    # Packed GEMM (every contraction with at least `gemm_min_m` rows, implicit-GEMM convs
+    # Packed GEMM (every contraction of at least `gemm_min_m` rows × `gemm_min_n` columns, convs
     # included): a register-blocked micro-kernel of `gemm_mr` rows × `gemm_nr` columns
     # (0: chosen from the target's vector width, see `kiln.codegen.microkernel`) over packed
     # operands; cache blocks of `gemm_mc` rows × `gemm_nc` columns × `gemm_kc` of the sum, one
     # block per parallel task. `vector_bytes` 0 means the target's widest vector.
     gemm_min_m: int = 4
+    gemm_min_n: int = 8  # narrower products (a matrix-vector one) run as dot products
     gemm_mr: int = 0
     gemm_nr: int = 0
     gemm_mc: int = 96

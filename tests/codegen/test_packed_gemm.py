@@ -64,13 +64,22 @@ def test_matmul_constant_weights_every_micro_kernel(tile):
 
 @settings(max_examples=8, deadline=None)
 @given(batch=st.sampled_from([(), (3,), (2, 1)]), m=st.integers(4, 30), k=st.integers(1, 20),
-       n=st.integers(1, 40), tile=st.sampled_from(TILES))
+       n=st.integers(8, 40), tile=st.sampled_from(TILES))
 def test_batched_matmul_of_activations(batch, m, k, n, tile):
     """B computed at run time (packed into scratch), broadcast over A's batch."""
     spec = {"a": ((*batch, m, k), "float32"), "b": ((k, n), "float32")}
     nodes = [helper.make_node("Relu", ["b"], ["rb"]), helper.make_node("MatMul", ["a", "rb"], ["y"])]
     kernels = run_with(model(nodes, spec, ["y"]), spec, small_blocks(tile))
     assert "packed" in forms(kernels)
+
+
+def test_matrix_vector_products_are_dot_products():
+    """One output column would waste all but one lane of each micro-kernel vector."""
+    spec = {"x": ((1, 40, 1, 1), "float32")}
+    w = np.random.default_rng(6).standard_normal((24, 40, 1, 1)).astype(np.float32)
+    m = model([helper.make_node("Conv", ["x", "w"], ["y"])], spec, ["y"], {"w": w})
+    kernels = run_with(m, spec, Schedule())
+    assert "packed" not in forms(kernels) and "dot" in forms(kernels)
 
 
 def test_attention_scores_transposed_operand():

@@ -2,7 +2,8 @@
 
 All of them lower to one loop nest over C[b, i, j] = Σ_k A[b, i, k] · B[b, k, j]:
 
-* `packed` (float contractions of at least `gemm_min_m` rows): a GotoBLAS-style GEMM. B is packed
+* `packed` (float contractions of at least `gemm_min_m` rows and `gemm_min_n` columns): a
+  GotoBLAS-style GEMM. B is packed
   into panels of `nr` columns (at compile time when it is a constant: weights are pre-packed;
   else by a first parallel loop nest into scratch). Each parallel task owns a cache block of
   `mc` rows × `nc` columns: for each slice of `kc` along the sum it packs A's rows into `mr`-row
@@ -96,6 +97,9 @@ def contraction(ctx: StageCtx, spec: Contraction) -> None:
                      var(ctx.name("pi"), spec.m), probe_k)
     if _packed_applies(ctx, spec):
         _packed(ctx, spec, _packed_b(ctx, spec, b_probe, probe_b, probe_k, probe_j))
+    elif (spec.n < ctx.schedule.gemm_min_n and stride_of(b_probe, probe_k) == 1
+          and stride_of(a_probe, probe_k) == 1):
+        _dot(ctx, spec)  # few columns: vectorise along the sum instead
     elif stride_of(b_probe, probe_j) == 1:
         _ikj(ctx, spec, spec.b)
     elif (packed := _constant_packed(ctx, spec, b_probe, probe_b, probe_k, probe_j)) is not None:
@@ -128,8 +132,9 @@ def _micro_kernel(ctx: StageCtx, dtype: str) -> MicroKernel:
 
 
 def _packed_applies(ctx: StageCtx, spec: Contraction) -> bool:
-    return (spec.dtype in ("float32", "float64") and spec.k > 0
-            and spec.m >= ctx.schedule.gemm_min_m and ctx.schedule.vector_bytes > 0)
+    s = ctx.schedule
+    return (spec.dtype in ("float32", "float64") and spec.k > 0 and s.vector_bytes > 0
+            and spec.m >= s.gemm_min_m and spec.n >= s.gemm_min_n)
 
 
 def _round_up(n: int, multiple: int) -> int:
