@@ -4,7 +4,7 @@ A batch is several candidate kernels of the same block (one per distinct source)
 is compiled to its own object through the toolchain's object cache (a kernel compiled once is
 never compiled again, by the tuner or by an artifact build), and the batch is linked into one
 shared library with a small timing loop (`HARNESS`). A child process (spawned once per tuning
-run, restarted if a kernel kills it) loads the library, gives every kernel random inputs (the
+run with `python -c`, restarted if a kernel kills it) loads the library, gives every kernel random inputs (the
 block's constants with their real values, integer activations zero so that indices stay in
 range), runs each candidate once to warm up, then takes samples round-robin over the candidates
 — interleaved, so machine noise hits them alike — each sample long enough (`MIN_SAMPLE_S`) to
@@ -15,9 +15,13 @@ from __future__ import annotations
 
 import ctypes
 import math
-import multiprocessing
 import os
+import pickle
 import re
+import select
+import struct
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -223,52 +227,91 @@ class _ChildDied(Exception):
 
 
 class _Child:
-    """A spawned process that measures jobs; killed when it overruns a deadline."""
+    """A child Python process that measures jobs (pickled frames over its stdin/stdout); killed
+    when it overruns a deadline. Started with `python -c`, not multiprocessing, so that the
+    parent's main module is never re-imported (a script, a REPL, a Celery worker)."""
 
     GRACE_S = 1.0
 
     def __init__(self):
-        ctx = multiprocessing.get_context("spawn")
-        self.conn, child_conn = ctx.Pipe()
-        self.process = ctx.Process(target=_serve, args=(child_conn,), daemon=True,
-                                   name="kiln-tune-measure")
-        self.process.start()
-        child_conn.close()
+        root = str(Path(__file__).resolve().parents[2])
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", "from kiln.tune.harness import _serve; _serve()"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
 
     def ask(self, job: dict[str, Any], deadline: float) -> dict[str, Any]:
         try:
-            self.conn.send(job)
-            if not self.conn.poll(max(deadline - time.monotonic(), 0) + self.GRACE_S):
-                self.close()
-                raise _ChildDied("it ran past the tuning deadline")
-            return self.conn.recv()
-        except (EOFError, OSError, BrokenPipeError) as exc:
-            code = self.process.exitcode
+            _write_frame(self.process.stdin, job)
+            answer = _read_frame(self.process.stdout, deadline + self.GRACE_S)
+        except (OSError, EOFError, ValueError) as exc:
+            code = self.process.poll()
             self.close()
             raise _ChildDied(f"exit code {code}" if code is not None else str(exc)) from None
+        if answer is None:
+            self.close()
+            raise _ChildDied("it ran past the tuning deadline")
+        return answer
 
     def close(self) -> None:
-        if self.process.is_alive():
+        if self.process.poll() is None:
             try:
-                self.conn.send(None)
+                self.process.stdin.close()  # end of input: the child returns
+                self.process.wait(0.5)
+            except (OSError, subprocess.TimeoutExpired):
+                self.process.kill()
+                self.process.wait()
+        for stream in (self.process.stdin, self.process.stdout):
+            try:
+                stream.close()
             except OSError:
                 pass
-            self.process.join(0.5)
-            if self.process.is_alive():
-                self.process.kill()
-                self.process.join()
-        self.conn.close()
 
 
-def _serve(conn) -> None:
+def _write_frame(stream, value: Any) -> None:
+    data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(struct.pack("<Q", len(data)) + data)
+    stream.flush()
+
+
+def _read_frame(stream, deadline: float | None = None) -> Any:
+    """One pickled value; None when `deadline` passes first. EOFError when the stream ends."""
+    fd = stream.fileno()
+
+    def read(n: int) -> bytes | None:
+        chunks, got = [], 0
+        while got < n:
+            if deadline is not None:
+                wait = deadline - time.monotonic()
+                if wait <= 0 or not select.select([fd], [], [], wait)[0]:
+                    return None
+            chunk = os.read(fd, min(n - got, 1 << 20))
+            if not chunk:
+                raise EOFError("the measuring process closed its output")
+            chunks.append(chunk)
+            got += len(chunk)
+        return b"".join(chunks)
+
+    head = read(8)
+    if head is None:
+        return None
+    body = read(struct.unpack("<Q", head)[0])
+    return None if body is None else pickle.loads(body)
+
+
+def _serve() -> None:
+    """The child's loop: jobs from stdin, answers to the original stdout (fd 1 is pointed at
+    stderr, so nothing a kernel or library prints can corrupt the frames)."""
+    answers = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    jobs = sys.stdin.buffer
     while True:
         try:
-            job = conn.recv()
+            job = _read_frame(jobs)
         except EOFError:
             return
-        if job is None:
-            return
-        conn.send(_measure(job))
+        _write_frame(answers, _measure(job))
 
 
 def _aligned(nbytes: int) -> np.ndarray:
