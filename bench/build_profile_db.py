@@ -10,7 +10,8 @@ model (tests/fixtures/zoo and bench/models) under the none, fixed and dnnfusion 
 yellow alternatives the dnnfusion planner asks about, shape variants (other image sizes, sequence
 lengths and batch sizes where the exported graph allows them), each under schedule variants
 (kiln.codegen.schedule.Schedule's fields halved, doubled or flipped, treated as an opaque dict;
-variants that give the same code are measured once) — and packs them, many kernels per artifact,
+variants that give the same code are measured once; each artifact is also run on one thread,
+schedule `{"threads": 1}`, the key kiln.tune files thread counts under) — and packs them, many kernels per artifact,
 into measurement tasks (kiln.profile.probe); the agent claims, runs and uploads them; the service
 writes one entry per kernel. Entries already in the database or queued are skipped, so a stopped
 build resumes where it was. BERT-base's yellow lookups are closed first: its compile is repeated
@@ -52,22 +53,30 @@ def log(*parts) -> None:
 
 # --- candidates ---------------------------------------------------------------------------------
 
+# Schedule fields whose changes alter the generated code of the zoo's blocks (the others rarely
+# do at these shapes, and variants giving the same code are measured once anyway).
+EFFECTIVE = ("split_loops", "gemm_omp_schedule", "conv_tile_cout", "conv_gemm_min_cout")
+
+
 def schedule_variants(op_types: set[str]) -> list[dict]:
-    """{} and one-field changes of the default Schedule (fields read at run time: opaque)."""
+    """{} and one-field changes of the default Schedule: the parallel threshold, and EFFECTIVE
+    fields halved, doubled or flipped (fields read at run time: the schedule stays opaque)."""
     from kiln.codegen.schedule import DEFAULT_SCHEDULE
 
+    defaults = DEFAULT_SCHEDULE.as_dict()
     gemm = bool(op_types & GEMM_OPS)
     conv = bool(op_types & {"Conv", "ConvTranspose"})
     out = [{}]
-    if not gemm:  # elementwise and row blocks: only the parallel threshold changes their code
-        return out + [{"parallel_min_work": 1 << 10}, {"parallel_min_work": 1 << 20}]
-    for key, value in DEFAULT_SCHEDULE.as_dict().items():
-        if (key.startswith(("gemm_", "matmul_", "vector_")) and not gemm) or \
+    if "parallel_min_work" in defaults:
+        out += [{"parallel_min_work": 1 << 10}, {"parallel_min_work": 1 << 20}]
+    for key in EFFECTIVE:
+        if key not in defaults or (key.startswith("gemm_") and not gemm) or \
                 (key.startswith("conv_") and not conv):
             continue
+        value = defaults[key]
         if isinstance(value, bool):
             out.append({key: not value})
-        elif isinstance(value, int) and value > 0 and not key.startswith("parallel_"):
+        elif isinstance(value, int) and value > 0:
             out += [{key: value * 2}] + ([{key: value // 2}] if value // 2 > 0 else [])
         elif isinstance(value, str) and value in ALTERNATIVES:
             out.append({key: ALTERNATIVES[value]})
@@ -343,7 +352,7 @@ def bert_closure(stack, fingerprint: str, runs: int) -> None:
 
 
 def produce(stack, fingerprint, sources, runs: int, batch: int, target_entries: int | None,
-            with_variants: bool = True, max_outstanding: int = 2) -> None:
+            with_variants: bool = True, max_outstanding: int = 3) -> None:
     """Turn (graph, [op_ids]) sources into measurement tasks; wait until they are measured."""
     from kiln.profile.probe import ProbeError, build_probes, make_probe
     from kiln.runtime.toolchain import BuildCache
@@ -376,6 +385,9 @@ def produce(stack, fingerprint, sources, runs: int, batch: int, target_entries: 
             reasons[key] = reasons.get(key, 0) + 1
         task = submit_probes(stack.db, storage, built, host.arch, device_fingerprint=fingerprint,
                              runs=runs, warmup=1, timeout_s=1800)
+        if with_variants:  # the same kernels on one thread: a run configuration of their own
+            submit_probes(stack.db, storage, built, host.arch, device_fingerprint=fingerprint,
+                          runs=runs, warmup=1, timeout_s=1800, threads=1)
         path.unlink(missing_ok=True)
         known.update((k["signature"], k["schedule"]) for k in built.kernels.values())
         done = count(stack.db, fingerprint, "measured")
@@ -588,6 +600,7 @@ def report(args) -> None:
 
 
 def main(argv=None) -> int:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `finally` stops the service and agent
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--state", default="~/.cache/kiln/profile-bench",
                         help="folder of the service's database, storage and the agent")

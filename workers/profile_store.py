@@ -94,6 +94,17 @@ class DatabaseProfileStore:
             return self._cost_model(graph, op_ids, "fallback")
         return Estimate(seconds, MEASURED)
 
+    def schedules(self, graph: Graph, op_ids: Sequence[str]) -> list[tuple[dict[str, Any], float]]:
+        """The schedule-tuning lookup: every schedule of this kernel on the device class, with its
+        median, best first (kiln.tune reads it)."""
+        from kiln.signature import kernel_signature
+
+        if self.fingerprint is None:
+            return []
+        with self.db.read() as s:
+            rows = profiles.schedules(s, self.fingerprint, kernel_signature(graph, op_ids))
+        return [(schedule, median) for schedule, median, _source in rows]
+
     def record(self, graph: Graph, op_ids: Sequence[str], seconds: Sequence[float],
                source: str = MEASURED, schedule: dict[str, Any] | None = None,
                toolchain: str = "") -> None:

@@ -105,6 +105,10 @@ def register(db: Database, agent_id: str, body: p.DeviceRegistration) -> str:
         device.kind, device.arch = body.facts.kind, body.facts.arch
         device.fingerprint, device.facts = body.fingerprint, facts
         device.emulated = body.facts.emulated
+        # A device registers when its agent (re)connects to it: work it held before is lost.
+        for task in s.scalars(select(MeasurementTask).where(
+                MeasurementTask.device_id == device.id, MeasurementTask.status == CLAIMED)):
+            _requeue(task, f"device {body.name} registered again", now)
         device.status, device.error, device.last_heartbeat_at = p.DeviceState.online.value, None, now
         s.execute(update(Agent).where(Agent.id == agent_id).values(
             last_seen_at=now, version=body.agent_version))

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import os
 import shutil
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 
+from kiln.signature import canonical_json
 from service.db import Database
 from service.devices import service as devices
 from service.profiles.service import NewEntry, summarize
@@ -46,11 +48,20 @@ def store_probe_artifact(storage: Storage, path: Path) -> tuple[str, str]:
 def submit_probes(db: Database, storage: Storage, built, arch: str, *,
                   device_fingerprint: str | None = None, runs: int = 10, warmup: int = 2,
                   repeats: int = 1, priority: int = 0, deadline: datetime | None = None,
-                  max_attempts: int = 3, timeout_s: float = 600.0) -> str:
-    """Queue a measurement task for a kiln.profile.probe.BuiltProbes; its id."""
+                  max_attempts: int = 3, timeout_s: float = 600.0, threads: int | None = None) -> str:
+    """Queue a measurement task for a kiln.profile.probe.BuiltProbes; its id.
+
+    With `threads`, the runner runs on that many threads and every kernel's schedule gets
+    `"threads": n` (the key kiln.tune files thread counts under); without, the runner's default.
+    """
     rel, sha = store_probe_artifact(storage, Path(built.path))
+    kernels = built.kernels
+    if threads is not None:
+        kernels = {block: {**info, "schedule": canonical_json(
+            {**json.loads(info["schedule"]), "threads": threads})}
+            for block, info in kernels.items()}
     return devices.create_task(
-        db, artifact_path=rel, artifact_sha256=sha, arch=arch, kernels=built.kernels,
+        db, artifact_path=rel, artifact_sha256=sha, arch=arch, kernels=kernels, threads=threads,
         device_fingerprint=device_fingerprint, toolchain=built.toolchain, runs=runs,
         warmup=warmup, repeats=repeats, priority=priority, deadline=deadline,
         max_attempts=max_attempts, timeout_s=timeout_s)
