@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from kiln.codegen import ir
+from kiln.codegen import cmath, ir
 from kiln.codegen.expr import BOOL, FLOAT_TYPES, INT_TYPES, SIGNED_TYPES, Expr
 
 C_TYPES = {
@@ -110,6 +110,7 @@ class CEmitter:
 
     def __init__(self) -> None:
         self.helpers: set[str] = set()
+        self.math: set[str] = set()  # Kiln's vectorisable math functions used (kiln.codegen.cmath)
         self.micro_kernels: dict[str, str] = {}  # function name -> definition
         self.counter = 0
         self.written: set[str] = set()  # buffers the current stage stores to
@@ -124,6 +125,9 @@ class CEmitter:
             body.append(f"/* {stage.comment} */")
             body.extend(self.stage(stage))
         head = [f"/* {comment} */", "#include <math.h>", "#include <stdint.h>", "#include <string.h>"]
+        for name in cmath.closure(self.math):
+            guard = f"KILN_MATH_{name.upper()}"
+            head += [f"#ifndef {guard}", f"#define {guard}", cmath.SOURCES[name], "#endif"]
         for name in sorted(self.helpers):
             guard = f"KILN_HELPER_{name.upper()}"
             head += [f"#ifndef {guard}", f"#define {guard}", HELPERS[name], "#endif"]
@@ -387,6 +391,10 @@ class CEmitter:
             return (f"({{ {t} bits_; const {source} from_ = {a[0]}; "
                     f"memcpy(&bits_, &from_, sizeof bits_); bits_; }})")
         if op == "call":
+            own = cmath.function(e.attr, dtype)
+            if own is not None:
+                self.math.add(own)
+                return f"{own}({', '.join(a)})"
             fn = e.attr + ("f" if dtype == "float32" else "")
             return f"{fn}({', '.join(a)})"
         raise ValueError(f"cannot render {op}")

@@ -25,7 +25,7 @@ from kiln.errors import KilnError
 from kiln.profile.machine import cache_dir
 from kiln.target import Target
 
-BASE_FLAGS = ("-O3", "-fopenmp", "-fPIC")
+BASE_FLAGS = ("-O3", "-fopenmp", "-fPIC", "-fno-math-errno")  # errno-free sqrt etc. vectorise
 LIBS = ("-lm",)
 STDERR_LINES = 20
 CROSS_PACKAGES = {"aarch64": "gcc-aarch64-linux-gnu", "x86_64": "gcc-x86-64-linux-gnu"}
