@@ -78,8 +78,9 @@ def compile_artifact(model_path: str | Path, out_path: str | Path, options: Comp
         tuned = clock.run("tune", tune.tune_plan, result.plan, build_target, store, options.tune,
                           options.tune_budget)
         schedules, extra = tuned.block_schedules, {"tuning": tuned.report}
-    kernels = clock.run("codegen", partial(codegen.generate, block_schedules=schedules),
-                        result.plan, build_target)
+    generate = partial(codegen.generate, block_schedules=schedules) if schedules else \
+        codegen.generate
+    kernels = clock.run("codegen", generate, result.plan, build_target)
     report = result.report | extra | {"seconds": result.report["seconds"] |
                                       _rounded(clock.seconds)}
     report = clock.run("build", build_artifact, result.plan, kernels, build_target, report, out_path)
