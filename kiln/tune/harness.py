@@ -231,7 +231,7 @@ class _Child:
     when it overruns a deadline. Started with `python -c`, not multiprocessing, so that the
     parent's main module is never re-imported (a script, a REPL, a Celery worker)."""
 
-    GRACE_S = 1.0
+    GRACE_S = 0.5  # a kernel call in progress at the deadline may finish
 
     def __init__(self):
         root = str(Path(__file__).resolve().parents[2])

@@ -47,7 +47,9 @@ def test_budget_is_respected(tmp_path):
     start = time.monotonic()
     result = tune_plan(plan, host_target(), store, "full", 2.0)
     elapsed = time.monotonic() - start
-    assert elapsed < 2.0 + 1.5  # the measuring child's shutdown is the only slack
+    # Slack: a kernel call or code generation in progress at the deadline, the measuring
+    # child's shutdown (0.5 s each at most) on a loaded 2-core machine.
+    assert elapsed < 2.0 + 2.0
     assert result.report["seconds"] <= elapsed
     assert result.report["budget_s"] == 2.0
 
