@@ -33,7 +33,8 @@ ZOO = Path(__file__).resolve().parents[1] / "fixtures" / "zoo"
 @pytest.fixture
 def env(database_url, tmp_path):
     settings = Settings(data_dir=tmp_path / "data", database_url=database_url,
-                        heartbeat_seconds=0.2, stale_after_seconds=30)
+                        heartbeat_seconds=0.2, stale_after_seconds=30,
+                        measure_local=False)  # profiling: tests/device_agents/test_profile_store.py
     upgrade(database_url)
     db = database(database_url)
     storage = Storage(settings.storage_root)
