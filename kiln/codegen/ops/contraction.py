@@ -219,12 +219,17 @@ def _packed(ctx: StageCtx, spec: Contraction, packed_b: PackedB) -> None:
         mul(add(mul(add(mul(b_flat, packed_b.panels), floordiv(j0, uk.nr), jp), spec.k), k0), uk.nr),
         tile, add(mul(ip, uk.mr * blk.nc), mul(jp, uk.nr)), blk.nc,
         index_compare("gt", kb, 0) if k_blocks > 1 else const(False, "bool"))
-    compute = ir.Loop(jp, iconst(0), col_panels, [ir.Loop(ip, iconst(0), row_panels, [call])])
+    # each micro-tile's results go through the epilogue right after its last update, from L1
+    epilogue = _packed_epilogue(ctx, spec, blk, tile, b, (i0, add(i0, mul(ip, uk.mr)), uk.mr),
+                                (j0, add(j0, mul(jp, uk.nr)), uk.nr))
+    if k_blocks > 1:
+        epilogue = ir.If(index_compare("eq", kb, k_blocks - 1), [epilogue])
+    compute = ir.Loop(jp, iconst(0), col_panels,
+                      [ir.Loop(ip, iconst(0), row_panels, [call, epilogue])])
     k_loop = ir.Loop(kb, iconst(0), iconst(k_blocks),
                      [_pack_a(ctx, spec, uk, blk, apack, b, i0, k0, kc, row_panels), compute])
     body = [ir.DeclArray(tile, spec.dtype, blk.mc * blk.nc),
-            ir.DeclArray(apack, spec.dtype, blk.mc * blk.kc), k_loop,
-            _packed_epilogue(ctx, spec, blk, tile, b, i0, j0)]
+            ir.DeclArray(apack, spec.dtype, blk.mc * blk.kc), k_loop]
     ctx.stage(f"contraction {ctx.op.op_type} ({ctx.op.id}), packed GEMM",
               [ir.Loop(p, iconst(0), iconst(tasks), body, parallel=1,
                        omp_schedule=s.gemm_omp_schedule)],
@@ -251,19 +256,20 @@ def _pack_a(ctx: StageCtx, spec: Contraction, uk: MicroKernel, blk: Blocking, ap
 
 
 def _packed_epilogue(ctx: StageCtx, spec: Contraction, blk: Blocking, tile: str, b: Expr,
-                     i0: Expr, j0: Expr) -> ir.Loop:
-    """The block's results through the fused epilogue, the inner loop along the output's
-    contiguous axis."""
+                     rows: tuple[Expr, Expr, int], cols: tuple[Expr, Expr, int]) -> ir.Loop:
+    """Results of the tile (rows, cols) = (block start, tile start, tile size) through the fused
+    epilogue, the inner loop along the output's contiguous axis."""
+    (i0, i_lo, mr), (j0, j_lo, nr) = rows, cols
     i, j = ctx.var("i", spec.m), ctx.var("j", spec.n)
     total = array_load(tile, spec.dtype, add(mul(sub(i, i0), blk.nc), sub(j, j0)))
     stmts = ctx.results({0: (spec.out(b, i, j), spec.finish(total, b, i, j))})
-    i_end = imin(add(i0, blk.mc), iconst(spec.m))
-    j_end = imin(add(j0, blk.nc), iconst(spec.n))
+    i_end = imin(add(i_lo, mr), iconst(spec.m))
+    j_end = imin(add(j_lo, nr), iconst(spec.n))
     offset = spec.out(b, i, j).flat
     rows_inner = (stride_of(load("probe", spec.dtype, offset), i) == 1 and spec.m > 1)
     if rows_inner:
-        return ir.Loop(j, j0, j_end, [ir.Loop(i, i0, i_end, stmts, simd=True)])
-    return ir.Loop(i, i0, i_end, [ir.Loop(j, j0, j_end, stmts, simd=True)])
+        return ir.Loop(j, j_lo, j_end, [ir.Loop(i, i_lo, i_end, stmts, simd=True)])
+    return ir.Loop(i, i_lo, i_end, [ir.Loop(j, j_lo, j_end, stmts, simd=True)])
 
 
 def _batch_of(spec: Contraction, b: Expr, shape: tuple[int, ...]) -> Index:
