@@ -217,7 +217,8 @@ def test_concurrent_claims_hand_out_each_task_once(agents):
     assert sorted(got) == sorted(tasks)  # every task once, none twice
 
 
-def test_cli_creates_and_revokes_agents(database_url, tmp_path):
+def test_cli_creates_and_revokes_agents(tmp_path):
+    database_url = f"sqlite:///{tmp_path / 'kiln.sqlite'}"
     env = {**__import__("os").environ, "KILN_DATABASE_URL": database_url,
            "KILN_DATA_DIR": str(tmp_path)}
     token = kiln_cli(env, "admin", "create-agent", "phone-lab").strip()
