@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from sqlalchemy import case, select
+from sqlalchemy import case, select, text
 from sqlalchemy.orm import Session
 
 from service.db import Database, utcnow
@@ -132,28 +132,32 @@ def record(db: Database, fingerprint: str, entries: Iterable[NewEntry]) -> int:
 
 # --- the two lookups ---------------------------------------------------------------------------
 
-_MEASURED_FIRST = case((ProfileEntry.source == MEASURED, 0), else_=1)
+# The lookups are plain SQL (compiled once by SQLAlchemy): they run for every yellow-case question
+# of every compile, and building ORM statements each time costs more than the indexed query.
+_BEST = text(
+    "SELECT median_s, source FROM profile_entries"
+    " WHERE device_fingerprint = :fingerprint AND signature = :signature"
+    " ORDER BY CASE WHEN source = 'measured' THEN 0 ELSE 1 END, median_s LIMIT 1")
+_SCHEDULES = text(
+    "SELECT schedule, median_s, source FROM profile_entries"
+    " WHERE device_fingerprint = :fingerprint AND signature = :signature"
+    " ORDER BY median_s, id")
 
 
 def best(session: Session, fingerprint: str, signature: str) -> tuple[float, str] | None:
-    """The yellow-case lookup: (median seconds, source) of the best schedule, measured first."""
-    row = session.execute(
-        select(ProfileEntry.median_s, ProfileEntry.source)
-        .where(ProfileEntry.device_fingerprint == fingerprint, ProfileEntry.signature == signature)
-        .order_by(_MEASURED_FIRST, ProfileEntry.median_s).limit(1)).first()
+    """The yellow-case lookup: (median seconds, source) of the best schedule, measured first
+    (served by the unique (device_fingerprint, signature, schedule) index)."""
+    row = session.execute(_BEST, {"fingerprint": fingerprint, "signature": signature}).first()
     return None if row is None else (float(row[0]), row[1])
 
 
 def schedules(session: Session, fingerprint: str, signature: str,
               measured_only: bool = False) -> list[tuple[dict[str, Any], float, str]]:
-    """The schedule-tuning lookup: every schedule of the kernel on the device class, best first."""
-    query = (select(ProfileEntry.schedule, ProfileEntry.median_s, ProfileEntry.source)
-             .where(ProfileEntry.device_fingerprint == fingerprint,
-                    ProfileEntry.signature == signature)
-             .order_by(ProfileEntry.median_s, ProfileEntry.id))
-    if measured_only:
-        query = query.where(ProfileEntry.source == MEASURED)
-    return [(json.loads(s), float(m), src) for s, m, src in session.execute(query)]
+    """The schedule-tuning lookup: every schedule of the kernel on the device class, best first
+    (served by ix_profile_entries_best)."""
+    rows = session.execute(_SCHEDULES, {"fingerprint": fingerprint, "signature": signature})
+    return [(json.loads(s), float(m), src) for s, m, src in rows
+            if not measured_only or src == MEASURED]
 
 
 def count(db: Database, fingerprint: str | None = None, source: str | None = None) -> int:
