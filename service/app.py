@@ -43,6 +43,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.dispatcher = Dispatcher(make_celery(settings))
     problems.install(app)
 
+    from service.devices.router import install_body_limit
     from service.devices.router import router as agents_router
     from service.jobs.router import router as jobs_router
     from service.models.router import router as models_router
@@ -50,6 +51,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(models_router)
     app.include_router(jobs_router)
     app.include_router(agents_router)
+    install_body_limit(app)
 
     @app.get("/v1/health", response_model=Health, tags=["service"], summary="Liveness")
     def health() -> Health:

@@ -16,6 +16,26 @@ from service.deps import DB, Config, Store
 from service.devices import service
 from service.problems import PROBLEM_RESPONSES, APIError
 
+MAX_BODY_BYTES = 64 << 20  # a result at the protocol's limits fits with room to spare
+
+
+def install_body_limit(app) -> None:
+    """Refuse agent requests without a length or over MAX_BODY_BYTES before reading their body."""
+    from service.problems import problem_response
+
+    @app.middleware("http")
+    async def _bounded(request: Request, call_next):
+        if request.method == "POST" and request.url.path.startswith(p.PREFIX + "/"):
+            length = request.headers.get("content-length")
+            if length is None:
+                return problem_response(411, "Length Required",
+                                        "agent requests need a Content-Length", request.url.path)
+            if not length.isdigit() or int(length) > MAX_BODY_BYTES:
+                return problem_response(413, "Content Too Large", f"request body of {length} "
+                                        f"bytes; at most {MAX_BODY_BYTES}", request.url.path)
+        return await call_next(request)
+
+
 router = APIRouter(prefix=p.PREFIX, tags=["agents"], responses={
     **PROBLEM_RESPONSES, 409: PROBLEM_RESPONSES[422] | {"description": "the task is not held"}})
 _bearer = HTTPBearer(auto_error=False, description="an agent token: `Authorization: Bearer kagent_…`")

@@ -93,6 +93,13 @@ def test_tokens_are_stored_hashed_and_a_wrong_one_is_refused(agents):
     assert client.post(p.REGISTER_PATH, content=body, headers=json_headers).status_code == 401
 
 
+def test_oversized_bodies_are_refused_unread(agents):
+    client, db, _token, _ = agents
+    huge = {"Content-Type": "application/json", "Content-Length": str(65 << 20)}
+    reply = client.post(p.RESULTS_PATH, content=b"{}", headers=huge)
+    assert reply.status_code == 413 and "at most" in reply.json()["detail"]
+
+
 def test_registration_is_keyed_by_agent_and_name(agents):
     client, db, _token, _ = agents
     first = register(client)
