@@ -182,6 +182,9 @@ def blocks_of(path: Path, dims) -> tuple[object, list]:
         yield graph, [b.op_ids for b in plan.blocks if not b.is_view] + rec.asked
 
 
+SHARD = (0, 1)  # (this producer, producers): each takes the signatures hashing to its number
+
+
 def probes_for(graph, op_ids, known: set, seen: set, variants: bool = True) -> list:
     """Probes of one block under its schedule variants, minus what is known or already seen."""
     from kiln.profile.probe import ProbeError, make_probe
@@ -190,7 +193,7 @@ def probes_for(graph, op_ids, known: set, seen: set, variants: bool = True) -> l
         base = make_probe(graph, op_ids)
     except (ProbeError, ValueError, TypeError):
         return []
-    if base.signature in seen:
+    if base.signature in seen or int(base.signature[:8], 16) % SHARD[1] != SHARD[0]:
         return []
     seen.add(base.signature)
     types = {graph.op_by_id[i].op_type for i in op_ids}
@@ -241,7 +244,9 @@ class Stack:
             f'poll_interval = 0.2\nheartbeat_interval = 5\nmax_tasks = 1\n')
         self.processes: list[subprocess.Popen] = []
 
-    def start(self) -> None:
+    def start(self, producer_only: bool = False) -> None:
+        if producer_only:  # another build process runs the service and the agent
+            return
         api_log = (self.state / "api.log").open("ab")
         self.processes.append(subprocess.Popen(
             [sys.executable, "-m", "uvicorn", "--factory", "service.app:create_app", "--host",
@@ -390,6 +395,7 @@ def produce(stack, fingerprint, sources, runs: int, batch: int, target_entries: 
                           runs=runs, warmup=1, timeout_s=1800, threads=1)
         path.unlink(missing_ok=True)
         known.update((k["signature"], k["schedule"]) for k in built.kernels.values())
+        known.update(outstanding(stack.db)[1])  # other producers' work too
         done = count(stack.db, fingerprint, "measured")
         rate = (done - first) / max(time.monotonic() - started, 1e-9) * 60
         log(f"task {task[:8]}: {len(built.kernels)} kernels built in {time.monotonic() - t0:.1f} s "
@@ -434,11 +440,14 @@ def build(args) -> None:
     state.mkdir(parents=True, exist_ok=True)
     stack = Stack(state)
     fingerprint = local_facts().fingerprint
-    stack.start()
+    global SHARD
+    SHARD = tuple(int(x) for x in args.shard.split("/"))
+    stack.start(args.producer_only)
     log(f"service {stack.url}, agent started; device class {fingerprint[:12]}; "
-        f"{count(stack.db, fingerprint, 'measured')} measured entries so far")
+        f"{count(stack.db, fingerprint, 'measured')} measured entries so far; shard {args.shard}")
     try:
-        bert_closure(stack, fingerprint, args.runs)
+        if not args.producer_only:
+            bert_closure(stack, fingerprint, args.runs)
 
         def sources():
             for label, path, dims in model_variants():
@@ -453,7 +462,8 @@ def build(args) -> None:
                 log(f"{label}: enumerated")
 
         produce(stack, fingerprint, sources(), args.runs, args.batch, args.entries)
-        bert_closure(stack, fingerprint, args.runs)
+        if not args.producer_only:
+            bert_closure(stack, fingerprint, args.runs)
         log(f"build done: {count(stack.db, fingerprint, 'measured')} measured entries "
             f"({count(stack.db)} in all)")
     finally:
@@ -611,6 +621,11 @@ def main(argv=None) -> int:
     parser.add_argument("--runs", type=int, default=10, help="timed runs per kernel")
     parser.add_argument("--synthetic", type=int, default=1_000_000)
     parser.add_argument("--skip-bert", action="store_true")
+    parser.add_argument("--shard", default="0/1", metavar="K/N",
+                        help="produce only the kernels whose signature hashes to K modulo N")
+    parser.add_argument("--producer-only", action="store_true",
+                        help="queue tasks only: another build process (same --state) runs the "
+                        "service and the agent")
     args = parser.parse_args(argv)
     if args.phase in ("build", "all"):
         build(args)
