@@ -604,9 +604,14 @@ def report(args) -> None:
               f"{f['schedule'][1]:10.3f}")
     print(flush=True)
     if BERT.is_file() and not args.skip_bert:
-        with tempfile.TemporaryDirectory(prefix="kiln-bert-") as tmp:
-            bert_compile(f"sqlite:///{tmp}/empty.sqlite", Path(tmp) / "storage", "empty database")
+        if not args.skip_empty_bert:
+            bert_empty()
         bert_compile(settings.database_url, settings.storage_root, "filled database")
+
+
+def bert_empty() -> None:
+    with tempfile.TemporaryDirectory(prefix="kiln-bert-") as tmp:
+        bert_compile(f"sqlite:///{tmp}/empty.sqlite", Path(tmp) / "storage", "empty database")
 
 
 def main(argv=None) -> int:
@@ -614,13 +619,16 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--state", default="~/.cache/kiln/profile-bench",
                         help="folder of the service's database, storage and the agent")
-    parser.add_argument("--phase", choices=("build", "report", "all"), default="all")
+    parser.add_argument("--phase", choices=("build", "report", "all", "bert-empty"), default="all",
+                        help="bert-empty: only BERT-base's compile with an empty database")
     parser.add_argument("--entries", type=int, default=TARGET_ENTRIES,
                         help="measured entries to reach (default 22000)")
     parser.add_argument("--batch", type=int, default=160, help="kernels per measurement task")
     parser.add_argument("--runs", type=int, default=10, help="timed runs per kernel")
     parser.add_argument("--synthetic", type=int, default=1_000_000)
     parser.add_argument("--skip-bert", action="store_true")
+    parser.add_argument("--skip-empty-bert", action="store_true",
+                        help="in the report, only the filled database's BERT-base compile")
     parser.add_argument("--shard", default="0/1", metavar="K/N",
                         help="produce only the kernels whose signature hashes to K modulo N")
     parser.add_argument("--producer-only", action="store_true",
@@ -631,6 +639,8 @@ def main(argv=None) -> int:
         build(args)
     if args.phase in ("report", "all"):
         report(args)
+    if args.phase == "bert-empty":
+        bert_empty()
     return 0
 
 
