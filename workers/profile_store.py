@@ -14,8 +14,9 @@ compile's target — the best entry, measured before predicted. On a miss:
    KILN_MEASURE_WAIT_SECONDS (and KILN_MEASURE_BUDGET_SECONDS over the whole compile);
 3. otherwise, or when that fails or times out, the roofline cost model answers (`cost-model`).
 
-Blocks that run no kernel of their own (views) and blocks that cannot be built alone go straight
-to the cost model. `stats()` counts the answers by kind, for reports and benchmarks.
+Blocks that run no kernel of their own (views) and blocks that cannot be built alone are answered
+by the cost model (and not tried again by this store). `stats()` counts the answers by kind:
+hit, measured-local, dispatched / measured-agent / timed-out, cost-model (why).
 """
 from __future__ import annotations
 
@@ -79,8 +80,10 @@ class DatabaseProfileStore:
             if hit is not None:
                 self.counts["hit"] += 1
                 return Estimate(hit[0], hit[1])
-        if probe.signature in self._unmeasurable or self.fingerprint is None:
-            return self._cost_model(graph, op_ids, "no-device")
+        if self.fingerprint is None:
+            return self._cost_model(graph, op_ids, "no device")
+        if probe.signature in self._unmeasurable:
+            return self._cost_model(graph, op_ids, "unmeasurable")
         if self.local and not self.settings.measure_local:
             return self._cost_model(graph, op_ids, "measuring off")
         try:
@@ -89,7 +92,7 @@ class DatabaseProfileStore:
             log.info("kernel %s cannot be measured (%s: %s); the cost model answers",
                      probe.signature[:12], type(exc).__name__, exc)
             self._unmeasurable.add(probe.signature)
-            seconds = None
+            return self._cost_model(graph, op_ids, "unmeasurable")
         if seconds is None:
             return self._cost_model(graph, op_ids, "fallback")
         return Estimate(seconds, MEASURED)

@@ -83,6 +83,7 @@ def test_another_target_dispatches_to_a_matching_agent_device(setup, tmp_path):
     alone = DatabaseProfileStore(db, storage, settings, "aarch64")
     assert alone.fingerprint is None  # no aarch64 device anywhere
     assert alone.latency(graph, ["op0"]).source == "cost-model"
+    assert alone.stats() == {"cost-model (no device)": 1}
 
     from device_agents import protocol as p
     from device_agents.facts import HardwareFacts
