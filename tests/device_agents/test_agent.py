@@ -129,6 +129,17 @@ def test_agent_measures_on_every_device(tmp_path, any_service, sshd, phone, host
                          devices["phone"].fingerprint: signatures}
 
 
+def test_ssh_round_trip_lands_entries(tmp_path, service, sshd, host_artifact_path):
+    """The ssh backend alone (the test above may give every host task to the local device)."""
+    task = service.add_task(host_artifact_path, "x86_64", runs=2, repeats=1)
+    agent = Agent(config(tmp_path, service, local=False, sshd=sshd))
+    asyncio.run(run_until(agent, service.finished))
+    done = service.tasks()[task]
+    ssh = service.devices()["ssh-box"]
+    assert (done.status, done.device_id, done.entries) == ("done", ssh.id, 3)
+    assert {(e.device_fingerprint, e.n) for e in service.entries()} == {(ssh.fingerprint, 2)}
+
+
 def test_phone_lost_mid_batch_requeues_its_tasks(tmp_path, service, phone, arm_artifact_path):
     first = service.add_task(arm_artifact_path, "aarch64")
     second = service.add_task(arm_artifact_path, "aarch64")
