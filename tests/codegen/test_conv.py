@@ -123,3 +123,49 @@ def test_global_pools_and_flatten_gemm_head():
              helper.make_node("Flatten", ["s"], ["f"]),
              helper.make_node("Gemm", ["f", "w", "b"], ["y"], transB=1)]
     check_model(model(nodes, spec, ["y"], inits), random_inputs(spec))
+
+
+@st.composite
+def depthwise_cases(draw):
+    """2-D convs with one input channel per group (the depthwise kernel): channel multiplier,
+    kernels up to 5×5, strides, dilations, asymmetric pads, inputs smaller than the window's
+    reach (no interior at all) and sizes that leave several border rows and columns."""
+    channels = draw(st.integers(1, 5))
+    multiplier = draw(st.sampled_from([1, 1, 2]))
+    kernel = [draw(st.integers(1, 5)) for _ in range(2)]
+    strides = [draw(st.integers(1, 3)) for _ in range(2)]
+    dilations = [draw(st.integers(1, 2)) for _ in range(2)]
+    spatial = [draw(st.integers(1, 13)) for _ in range(2)]
+    pads = [draw(st.integers(0, 3)) for _ in range(4)]
+    for d in range(2):  # at least one output position per dim
+        reach = (kernel[d] - 1) * dilations[d] + 1
+        spatial[d] = max(spatial[d], reach - pads[d] - pads[d + 2])
+    attrs = {"kernel_shape": kernel, "strides": strides, "dilations": dilations, "pads": pads,
+             "group": channels}
+    return ((draw(st.integers(1, 2)), channels, *spatial),
+            (channels * multiplier, 1, *kernel), attrs)
+
+
+@settings(max_examples=30, deadline=None)
+@given(depthwise_cases(), st.sampled_from(["none", "clip", "swish-in", "bias-add"]))
+def test_depthwise_conv(case, fusion):
+    """Depthwise convs with a prologue or an epilogue fused, against onnxruntime."""
+    x_shape, w_shape, attrs = case
+    rng = np.random.default_rng(3)
+    inits = {"w": rng.standard_normal(w_shape).astype(np.float32),
+             "b": rng.standard_normal(w_shape[0]).astype(np.float32),
+             "lo": np.array(0, np.float32), "hi": np.array(6, np.float32)}
+    spec = {"x": (x_shape, "float32")}
+    conv_in, inputs = "x", ["x", "w", "b"]
+    nodes = []
+    if fusion == "swish-in":
+        nodes += [helper.make_node("Sigmoid", ["x"], ["s"]), helper.make_node("Mul", ["x", "s"], ["xs"])]
+        inputs = ["xs", "w", "b"]
+    nodes.append(helper.make_node("Conv", inputs, ["c"], **attrs))
+    if fusion == "clip":
+        nodes.append(helper.make_node("Clip", ["c", "lo", "hi"], ["y"]))
+    elif fusion == "bias-add":
+        nodes.append(helper.make_node("Add", ["c", "c"], ["y"]))
+    else:
+        nodes.append(helper.make_node("Identity", ["c"], ["y"]))
+    check_model(model(nodes, spec, ["y"], inits), random_inputs(spec))

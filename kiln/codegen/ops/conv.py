@@ -180,7 +180,8 @@ def conv_stage(ctx: StageCtx, weight: int, operands: Callable[[str, bool], ConvO
     if w_shape[0] // group >= ctx.schedule.conv_gemm_min_cout:
         _implicit_gemm(ctx, geometry, w_shape, ops, group)
     else:
-        _direct_conv(ctx, geometry, w_shape, ops, group)
+        if not _depthwise_conv(ctx, geometry, w_shape, ops, group):
+            _direct_conv(ctx, geometry, w_shape, ops, group)
 
 
 def _implicit_gemm(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: ConvOperands,
@@ -323,6 +324,90 @@ def _direct_conv(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: ConvOp
     work = out.numel * cg * math.prod(w.kernel)
     ctx.stage(f"conv ({ctx.op.id}), direct", [loop], work)
     ctx.info.update(form="direct", tile_cout=mb, tile_w=tw)
+
+
+MAX_BORDER = 8  # border rows (or columns) per side written out one by one in a depthwise conv
+
+
+def _border(out_size: int, in_size: int, kernel: int, stride: int, dilation: int, pad: int
+            ) -> tuple[int, int]:
+    """[lo, hi): the output positions of one dim whose every kernel tap lies inside the input."""
+    lo = min(out_size, -(-pad // stride)) if pad > 0 else 0
+    hi = (in_size - 1 - (kernel - 1) * dilation + pad) // stride + 1
+    return lo, max(lo, min(out_size, hi))
+
+
+def _depthwise_conv(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: ConvOperands,
+                    group: int) -> bool:
+    """A 2-D conv whose output channels each read one input channel (depthwise, any channel
+    multiplier), as its own kernel; False when the conv is not one (the general direct conv
+    runs instead).
+
+    Parallel over (image, output channel) planes. Output rows and columns are split into the
+    interior, where every kernel tap lies inside the input, and the few border positions on
+    each side, each written out with its own static set of valid taps: no padding test, no
+    select and no accumulator array anywhere. The interior column loop is the vectorised loop;
+    the whole kh × kw window is unrolled in its body (accumulated in registers, inputs read as
+    contiguous or strided vectors), and the fused epilogue is applied before the one store."""
+    x_shape, out = ctx.graph.tensors[ops.x].shape, ctx.out()
+    if len(w.kernel) != 2 or x_shape[1] // group != 1 or math.prod(w.kernel) > 49:
+        return False
+    batch, m_total = out.shape[0], out.shape[1]
+    mg = m_total // group
+    (oh, ow), (kh, kw), (ih, iw) = w.out_size, w.kernel, w.in_size
+    (sh, sw), (dh, dw), (ph, pw) = w.strides, w.dilations, w.pad_begin
+    y_lo, y_hi = _border(oh, ih, kh, sh, dh, ph)
+    x_lo, x_hi = _border(ow, iw, kw, sw, dw, pw)
+    if max(y_lo, oh - y_hi, x_lo, ow - x_hi) > MAX_BORDER:
+        return False
+    in_shape = (x_shape[0], x_shape[1], ih, iw)
+    p = ctx.var("p", batch * m_total)
+    n, m = Index((batch, m_total), flat=p).dims
+    channel = floordiv(m, mg)
+
+    def taps(o: int | None, size: int, kernel: int, stride: int, dilation: int, pad: int):
+        return [k for k in range(kernel)
+                if o is None or 0 <= o * stride + k * dilation - pad < size]
+
+    def point(oy: Expr, ox: Expr, kys: list[int], kxs: list[int]) -> list[ir.Stmt]:
+        total: Expr | None = None
+        for ky in kys:
+            iy = add(mul(oy, sh), ky * dh - ph)
+            for kx in kxs:
+                ix = add(mul(ox, sw), kx * dw - pw)
+                wv = ops.read_w(Index(w_shape, dims=[m, iconst(0), iconst(ky), iconst(kx)]))
+                xv = ops.read_x(Index(in_shape, dims=[n, channel, iy, ix]))
+                term = binary("mul", wv, xv)
+                total = term if total is None else binary("add", total, term)
+        if total is None:
+            total = const(0, ops.acc_dtype)
+        index = Index(out.shape, dims=[n, m, oy, ox])
+        return ctx.results({0: (index, ops.finish(total, m))})
+
+    def row(oy: Expr, kys: list[int]) -> list[ir.Stmt]:
+        stmts: list[ir.Stmt] = []
+        for ox in range(x_lo):
+            stmts += point(oy, iconst(ox), kys, taps(ox, iw, kw, sw, dw, pw))
+        if x_hi > x_lo:
+            ox = ctx.var("x", x_hi - x_lo, x_lo)
+            stmts.append(ir.Loop(ox, iconst(x_lo), iconst(x_hi),
+                                 point(oy, ox, kys, list(range(kw))), simd=True))
+        for ox in range(x_hi, ow):
+            stmts += point(oy, iconst(ox), kys, taps(ox, iw, kw, sw, dw, pw))
+        return stmts
+
+    body: list[ir.Stmt] = []
+    for oy in range(y_lo):
+        body += row(iconst(oy), taps(oy, ih, kh, sh, dh, ph))
+    if y_hi > y_lo:
+        oy_var = ctx.var("y", y_hi - y_lo, y_lo)
+        body.append(ir.Loop(oy_var, iconst(y_lo), iconst(y_hi), row(oy_var, list(range(kh)))))
+    for oy in range(y_hi, oh):
+        body += row(iconst(oy), taps(oy, ih, kh, sh, dh, ph))
+    loop = ir.Loop(p, iconst(0), iconst(batch * m_total), body, parallel=1)
+    ctx.stage(f"conv ({ctx.op.id}), depthwise", [loop], out.numel * kh * kw)
+    ctx.info.update(form="depthwise", border=(y_lo, oh - y_hi, x_lo, ow - x_hi))
+    return True
 
 
 # --- ConvTranspose ------------------------------------------------------------------------------

@@ -80,9 +80,9 @@ def sigmoid(x: Expr) -> Expr:
 
 
 def softplus(x: Expr) -> Expr:
-    """log(1 + exp(x)) without overflow: x + log1p(exp(-x)) for x > 0."""
-    positive = add(x, fn("log1p", exp(unary("neg", x))))
-    return select(cmp("gt", x, c(0, x)), positive, fn("log1p", exp(x)))
+    """log(1 + exp(x)) without overflow: max(x, 0) + log1p(exp(-|x|)), one exp and one log1p
+    (a select of two formulas would compute both in a vectorised loop)."""
+    return add(maximum(x, c(0, x)), fn("log1p", exp(unary("neg", unary("abs", x)))))
 
 
 def clip01(v: Expr) -> Expr:
