@@ -94,8 +94,8 @@ class If:
 @dataclass(eq=False)
 class MicroKernelCall:
     """One register-blocked GEMM tile update (`kiln.codegen.microkernel`):
-    `kernel(kc, a + a_offset, b + b_offset, c + c_offset, ldc, accumulate)`. `a` and `c` are
-    local arrays, `b` a kernel buffer (packed weights or scratch)."""
+    `kernel(kc, a + a_offset, b + b_offset, c + c_offset, ldc, accumulate)`. `a` and `b` are
+    kernel buffers (packed weights or scratch), `c` a local array."""
 
     kernel: MicroKernel
     kc: Expr

@@ -693,8 +693,8 @@ class BlockLowering:
             self.scratch(tensor, t.dtype, t.numel)
         loaded = {e.name for stage in self.stages for e in walk(ir.all_exprs(stage.body))
                   if e.op == "load"}
-        loaded |= {s.b for stage in self.stages for s in ir.iter_stmts(stage.body)
-                   if isinstance(s, ir.MicroKernelCall)}
+        loaded |= {name for stage in self.stages for s in ir.iter_stmts(stage.body)
+                   if isinstance(s, ir.MicroKernelCall) for name in (s.a, s.b)}
         inputs = [t for t in self.block.inputs if t in loaded]
         derived = [d for d in self.derived if d in loaded]
         outputs = list(self.block.outputs)

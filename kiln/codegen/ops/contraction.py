@@ -3,14 +3,13 @@
 All of them lower to one loop nest over C[b, i, j] = Σ_k A[b, i, k] · B[b, k, j]:
 
 * `packed` (float contractions of at least `gemm_min_m` rows and `gemm_min_n` columns): a
-  GotoBLAS-style GEMM. B is packed
-  into panels of `nr` columns (at compile time when it is a constant: weights are pre-packed;
-  else by a first parallel loop nest into scratch). Each parallel task owns a cache block of
-  `mc` rows × `nc` columns: for each slice of `kc` along the sum it packs A's rows into `mr`-row
-  panels, evaluating the fused prologue there once per element (an implicit-GEMM convolution's
-  im2col happens here), then runs the register-blocked micro-kernel
-  (`kiln.codegen.microkernel`) over the block's panels; the block's results, still in L1/L2,
-  go through the fused epilogue straight into the outputs.
+  GotoBLAS-style GEMM. A is packed into panels of `mr` rows and B into panels of `nr` columns —
+  at compile time when constant (weights are pre-packed), else once per call by a parallel loop
+  nest that evaluates the operand's fused prologue once per element (an implicit-GEMM
+  convolution's im2col happens there). Each parallel task owns a cache block of `mc` rows ×
+  `nc` columns and runs the register-blocked micro-kernel (`kiln.codegen.microkernel`) over its
+  panels for each slice of `kc` along the sum; each finished micro-tile goes through the fused
+  epilogue straight into the outputs while it is in L1.
 * `ikj`: parallel over (batch, block of `matmul_tile_m` rows); for each column tile of
   `matmul_tile_n`, accumulators acc[rows][cols] on the stack; for k: for each row, A[i, k] is
   evaluated once (through the prologue) and the vectorised inner loop does
@@ -96,7 +95,7 @@ def contraction(ctx: StageCtx, spec: Contraction) -> None:
     a_probe = spec.a(Index(spec.a_batch, flat=var(ctx.name("pa"), max(math.prod(spec.a_batch), 1))),
                      var(ctx.name("pi"), spec.m), probe_k)
     if _packed_applies(ctx, spec):
-        _packed(ctx, spec, _packed_b(ctx, spec, b_probe, probe_b, probe_k, probe_j))
+        _packed(ctx, spec)
     elif (spec.n < ctx.schedule.gemm_min_n and stride_of(b_probe, probe_k) == 1
           and stride_of(a_probe, probe_k) == 1):
         _dot(ctx, spec)  # few columns: vectorise along the sum instead
@@ -112,8 +111,8 @@ def contraction(ctx: StageCtx, spec: Contraction) -> None:
 
 # --- packed GEMM ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class PackedB:
-    """B in panels of `nr` columns: element (b, k, j) at ((b·panels + j // nr)·K + k)·nr + j % nr."""
+class Packed:
+    """An operand packed in panels (see `_pack_operand`)."""
 
     buffer: str
     panels: int
@@ -158,45 +157,61 @@ def blocking(m: int, n: int, k: int, batch: int, uk: MicroKernel, mc: int, nc: i
     return Blocking(mc, nc, kc)
 
 
-def _packed_b(ctx: StageCtx, spec: Contraction, probe: Expr, pb: Expr, pk: Expr,
-              pj: Expr) -> PackedB:
-    uk = _micro_kernel(ctx, spec.dtype)
-    nb, panels = max(math.prod(spec.b_batch), 1), -(-spec.n // uk.nr)
-    width = panels * uk.nr
+Operand = Callable[[Index, Expr, Expr], Expr]  # (batch index, row of A / column of B, k) -> value
+
+
+def _pack_operand(ctx: StageCtx, spec: Contraction, side: str, value: Operand,
+                  batch: tuple[int, ...], extent: int, unit: int) -> Packed:
+    """An operand in panels of `unit` rows of A (columns of B): element (b, x, k) at
+    ((b·panels + x // unit)·K + k)·unit + x % unit, past `extent` zero. Constants are packed at
+    compile time (weights); other operands by a parallel loop nest before the GEMM, which
+    evaluates the operand's fused prologue once per element."""
+    nb, panels = max(math.prod(batch), 1), -(-extent // unit)
+    width = panels * unit
+    pb, px, pk = (ctx.var("pb", nb), ctx.var("px", max(extent, 1)), ctx.var("pk", spec.k))
+    probe = value(Index(batch, flat=pb), px, pk)
     if probe.op == "load" and probe.name in ctx.graph.tensors and \
             ctx.graph.tensors[probe.name].is_constant:
         source = ctx.graph.tensors[probe.name]
-        grid = np.meshgrid(np.arange(nb), np.arange(spec.k), np.arange(width), indexing="ij")
-        clamped = [grid[0], grid[1], np.minimum(grid[2], spec.n - 1)]
+        grid = np.meshgrid(np.arange(nb), np.arange(width), np.arange(spec.k), indexing="ij")
+        clamped = [grid[0], np.minimum(grid[1], extent - 1), grid[2]]
         try:
-            offsets = evaluate_index(probe.args[0], dict(zip((pb, pk, pj), clamped)))
+            offsets = evaluate_index(probe.args[0], dict(zip((pb, px, pk), clamped)))
         except NotEvaluable:
             offsets = None
         if offsets is not None:
             values = source.data.reshape(-1)[np.broadcast_to(offsets, grid[0].shape)]
-            values = np.where(grid[2] < spec.n, values, 0).astype(source.data.dtype)
-            panelled = values.reshape(nb, spec.k, panels, uk.nr).transpose(0, 2, 1, 3)
-            ctx.info["b_operand"] = "pre-packed constant"
-            return PackedB(ctx.derived(np.ascontiguousarray(panelled)), panels)
-    total = nb * panels * spec.k
-    name = ctx.scratch(spec.dtype, total * uk.nr)
-    q, r = ctx.var("q", total), ctx.var("r", uk.nr)
-    bb, panel, k = Index((nb, panels, spec.k), flat=q).dims
-    j = add(mul(panel, uk.nr), r)
-    value = spec.b(Index(spec.b_batch, flat=bb), k, imin(j, iconst(spec.n - 1)))
-    if spec.n % uk.nr:
-        value = select(index_compare("lt", j, spec.n), value, const(0, spec.dtype))
-    store = ir.Store(name, add(mul(q, uk.nr), r), value)
-    loop = ir.Loop(q, iconst(0), iconst(total), [ir.Loop(r, iconst(0), iconst(uk.nr), [store],
-                                                         simd=True)], parallel=1)
-    ctx.stage(f"pack operand B of {ctx.op.id} in panels", [loop], total * uk.nr)
-    ctx.info["b_operand"] = "packed in scratch"
-    return PackedB(name, panels)
+            values = np.where(grid[1] < extent, values, 0).astype(source.data.dtype)
+            panelled = values.reshape(nb, panels, unit, spec.k).transpose(0, 1, 3, 2)
+            ctx.info[f"{side}_operand"] = "pre-packed constant"
+            return Packed(ctx.derived(np.ascontiguousarray(panelled)), panels)
+    total = nb * panels
+    name = ctx.scratch(spec.dtype, total * spec.k * unit)
+    q, r, k = ctx.var("q", total), ctx.var("r", unit), ctx.var("k", spec.k)
+    bb, panel = Index((nb, panels), flat=q).dims
+    x = add(mul(panel, unit), r)
+    element = value(Index(batch, flat=bb), imin(x, iconst(extent - 1)), k)
+    if extent % unit:
+        element = select(index_compare("lt", x, extent), element, const(0, spec.dtype))
+    store = ir.Store(name, add(mul(add(mul(q, spec.k), k), unit), r), element)
+    if stride_of(probe, px) == 1:  # contiguous along the panel axis: read along it
+        nest = ir.Loop(k, iconst(0), iconst(spec.k), [ir.Loop(r, iconst(0), iconst(unit), [store],
+                                                               simd=True)])
+    else:
+        nest = ir.Loop(r, iconst(0), iconst(unit), [ir.Loop(k, iconst(0), iconst(spec.k), [store],
+                                                            simd=True)])
+    ctx.stage(f"pack operand {side.upper()} of {ctx.op.id} in panels",
+              [ir.Loop(q, iconst(0), iconst(total), [nest], parallel=1)], total * spec.k * unit)
+    ctx.info[f"{side}_operand"] = "packed in scratch"
+    return Packed(name, panels)
 
 
-def _packed(ctx: StageCtx, spec: Contraction, packed_b: PackedB) -> None:
+def _packed(ctx: StageCtx, spec: Contraction) -> None:
     s = ctx.schedule
     uk = _micro_kernel(ctx, spec.dtype)
+    packed_a = _pack_operand(ctx, spec, "a", spec.a, spec.a_batch, spec.m, uk.mr)
+    packed_b = _pack_operand(ctx, spec, "b", lambda bi, j, k: spec.b(bi, k, j), spec.b_batch,
+                             spec.n, uk.nr)
     bt = math.prod(spec.batch)
     blk = blocking(spec.m, spec.n, spec.k, bt, uk, s.gemm_mc, s.gemm_nc, s.gemm_kc)
     row_blocks, col_blocks, k_blocks = (-(-spec.m // blk.mc), -(-spec.n // blk.nc),
@@ -205,18 +220,23 @@ def _packed(ctx: StageCtx, spec: Contraction, packed_b: PackedB) -> None:
     p = ctx.var("p", tasks)
     b, rb, cb = Index((bt, row_blocks, col_blocks), flat=p).dims
     i0, j0 = mul(rb, blk.mc), mul(cb, blk.nc)
-    tile, apack = ctx.name("ct"), ctx.name("ap")
+    tile = ctx.name("ct")
     row_panels = imin(iconst(blk.mc // uk.mr), floordiv(sub(iconst(spec.m + uk.mr - 1), i0), uk.mr))
     col_panels = imin(iconst(blk.nc // uk.nr), floordiv(sub(iconst(spec.n + uk.nr - 1), j0), uk.nr))
 
     kb = ctx.var("kb", k_blocks)
     k0 = mul(kb, blk.kc)
     kc = iconst(blk.kc) if spec.k % blk.kc == 0 else imin(iconst(blk.kc), sub(iconst(spec.k), k0))
+    a_flat = _batch_of(spec, b, spec.a_batch).flat if spec.a_batch else iconst(0)
     b_flat = _batch_of(spec, b, spec.b_batch).flat if spec.b_batch else iconst(0)
     ip, jp = ctx.var("ip", blk.mc // uk.mr), ctx.var("jp", blk.nc // uk.nr)
+
+    def panel_offset(packed: Packed, flat: Expr, first: Expr, panel: Expr, unit: int) -> Expr:
+        return mul(add(mul(add(mul(flat, packed.panels), first, panel), spec.k), k0), unit)
+
     call = ir.MicroKernelCall(
-        uk, kc, apack, mul(ip, blk.kc * uk.mr), packed_b.buffer,
-        mul(add(mul(add(mul(b_flat, packed_b.panels), floordiv(j0, uk.nr), jp), spec.k), k0), uk.nr),
+        uk, kc, packed_a.buffer, panel_offset(packed_a, a_flat, floordiv(i0, uk.mr), ip, uk.mr),
+        packed_b.buffer, panel_offset(packed_b, b_flat, floordiv(j0, uk.nr), jp, uk.nr),
         tile, add(mul(ip, uk.mr * blk.nc), mul(jp, uk.nr)), blk.nc,
         index_compare("gt", kb, 0) if k_blocks > 1 else const(False, "bool"))
     # each micro-tile's results go through the epilogue right after its last update, from L1
@@ -226,33 +246,14 @@ def _packed(ctx: StageCtx, spec: Contraction, packed_b: PackedB) -> None:
         epilogue = ir.If(index_compare("eq", kb, k_blocks - 1), [epilogue])
     compute = ir.Loop(jp, iconst(0), col_panels,
                       [ir.Loop(ip, iconst(0), row_panels, [call, epilogue])])
-    k_loop = ir.Loop(kb, iconst(0), iconst(k_blocks),
-                     [_pack_a(ctx, spec, uk, blk, apack, b, i0, k0, kc, row_panels), compute])
     body = [ir.DeclArray(tile, spec.dtype, blk.mc * blk.nc),
-            ir.DeclArray(apack, spec.dtype, blk.mc * blk.kc), k_loop]
+            ir.Loop(kb, iconst(0), iconst(k_blocks), [compute])]
     ctx.stage(f"contraction {ctx.op.op_type} ({ctx.op.id}), packed GEMM",
               [ir.Loop(p, iconst(0), iconst(tasks), body, parallel=1,
                        omp_schedule=s.gemm_omp_schedule)],
               bt * spec.m * spec.n * spec.k)
     ctx.info.update(form="packed", micro_kernel=f"{uk.mr}x{uk.nr}", vector_bytes=uk.vector_bytes,
                     mc=blk.mc, nc=blk.nc, kc=blk.kc, tasks=tasks)
-
-
-def _pack_a(ctx: StageCtx, spec: Contraction, uk: MicroKernel, blk: Blocking, apack: str,
-            b: Expr, i0: Expr, k0: Expr, kc: Expr, row_panels: Expr) -> ir.Loop:
-    """A's rows [i0, i0 + mc) × sums [k0, k0 + kc) into `mr`-row panels (rows past M repeat the
-    last row: their results are never stored). The loop order follows A's contiguous axis."""
-    ip, r, kk = ctx.var("ip", blk.mc // uk.mr), ctx.var("r", uk.mr), ctx.var("kk", blk.kc)
-    i = imin(add(i0, mul(ip, uk.mr), r), iconst(spec.m - 1))
-    value = spec.a(_batch_of(spec, b, spec.a_batch), i, add(k0, kk))
-    store = ir.ArrayStore(apack, add(mul(ip, blk.kc * uk.mr), mul(kk, uk.mr), r), value)
-    probe_i = ctx.var("pi", spec.m)
-    probe = spec.a(_batch_of(spec, b, spec.a_batch), probe_i, add(k0, kk))
-    if stride_of(probe, probe_i) == 1:  # contiguous along rows (a convolution's pixels)
-        return ir.Loop(kk, iconst(0), kc, [ir.Loop(ip, iconst(0), row_panels, [
-            ir.Loop(r, iconst(0), iconst(uk.mr), [store], simd=True)])])
-    return ir.Loop(ip, iconst(0), row_panels, [ir.Loop(r, iconst(0), iconst(uk.mr), [
-        ir.Loop(kk, iconst(0), kc, [store], simd=True)])])
 
 
 def _packed_epilogue(ctx: StageCtx, spec: Contraction, blk: Blocking, tile: str, b: Expr,
