@@ -257,6 +257,11 @@ class Artifact:
     def kernel_symbols(self) -> list[str]:
         return [k["symbol"] for k in self.manifest["kernels"]]
 
+    @property
+    def plan(self) -> dict[str, Any]:
+        """plan.json: blocks, kernels with their schedules and arguments, the memory plan."""
+        return json.loads((self.root / PLAN).read_text())
+
 
 def _tensor_info(entry: dict[str, Any]) -> TensorInfo:
     return TensorInfo(entry["name"], entry["dtype"], tuple(entry["shape"]))

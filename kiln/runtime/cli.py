@@ -47,6 +47,8 @@ def add_commands(commands) -> None:
     bench.add_argument("--threads", type=int, metavar="T")
     bench.add_argument("--inputs", metavar="IN.npz", help="inputs (default: random ones)")
     bench.add_argument("--json", action="store_true", help="print the runner's JSON")
+    bench.add_argument("--kernels", type=int, default=0, metavar="K",
+                       help="also list the K slowest kernels with their stages")
     bench.set_defaults(handler=_bench)
 
 
@@ -91,7 +93,30 @@ def _bench(args: argparse.Namespace) -> int:
     print(f"{artifact.manifest['model']} ({artifact.arch}, {len(result.timing['kernels'])} "
           f"kernels, {result.timing['threads']} threads, {result.timing['runs']} runs)")
     print("  ".join(f"{key} {latency[key] / 1e6:.4g} ms" for key in ("median", "p10", "p90")))
+    if args.kernels > 0:
+        print(format_kernel_times(result.timing["kernels"], artifact.plan, args.kernels))
     return 0
+
+
+def format_kernel_times(kernels: Sequence[dict[str, Any]], plan: dict[str, Any], most: int) -> str:
+    """The `most` slowest kernels (median of the runs), with their share of the kernels' total
+    and how each stage was generated (from the plan's recorded schedules)."""
+    stages = {k["symbol"]: k.get("schedule", {}).get("stages", []) for k in plan.get("kernels", [])}
+    total = sum(k["median_ns"] for k in kernels) or 1
+    lines = [f"{'kernel':48s} {'median ms':>10s} {'share':>6s}  stages"]
+    for k in sorted(kernels, key=lambda k: -k["median_ns"])[:most]:
+        forms = "; ".join(_stage_summary(s) for s in stages.get(k["symbol"], []))
+        lines.append(f"{k['symbol'][:48]:48s} {k['median_ns'] / 1e6:10.3f} "
+                     f"{100 * k['median_ns'] / total:5.1f}%  {forms}")
+    lines.append(f"{'all ' + str(len(kernels)) + ' kernels':48s} {total / 1e6:10.3f}")
+    return "\n".join(lines)
+
+
+def _stage_summary(stage: dict[str, Any]) -> str:
+    name = stage.get("stage", "?")
+    if stage.get("form") == "packed":
+        return f"{name} [{stage['micro_kernel']}, mc {stage['mc']} nc {stage['nc']} kc {stage['kc']}]"
+    return name
 
 
 # ---------------------------------------------------------------------------------------------

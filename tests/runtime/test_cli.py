@@ -12,7 +12,7 @@ from kiln.codegen import Kernel
 from kiln.pipeline import CompileOptions, compile_artifact
 from kiln.plan import FusionPlan
 from kiln.profile.local import default_store
-from kiln.runtime.artifact import TensorInfo
+from kiln.runtime.artifact import TensorInfo, open_artifact
 from kiln.runtime.inputs import index_bounds, random_inputs
 from kiln.target import Target
 from tests.graphs import float_input, save_model
@@ -143,6 +143,18 @@ def test_bench_prints_the_median(compiled, capsys):
     assert main(["bench", str(compiled), "--runs", "3", "--warmup", "1", "--threads", "1"]) == 0
     out = capsys.readouterr().out
     assert "4 kernels, 1 threads, 3 runs" in out and "median" in out
+
+
+def test_bench_lists_the_slowest_kernels(compiled, capsys):
+    assert main(["bench", str(compiled), "--runs", "3", "--warmup", "1", "--threads", "1",
+                 "--kernels", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    table = lines[next(i for i, line in enumerate(lines) if line.startswith("kernel ")):]
+    assert len(table) == 4 and table[-1].startswith("all 4 kernels")
+    symbols = open_artifact(compiled).kernel_symbols()
+    rows = [row.split() for row in table[1:3]]
+    assert all(row[0] in symbols for row in rows)
+    assert [float(r[1]) for r in rows] == sorted((float(r[1]) for r in rows), reverse=True)
 
 
 def test_aarch64_compile_and_verify_under_qemu(onnx_mlp, stand_in_codegen, tmp_path, capsys):
