@@ -220,8 +220,7 @@ class CEmitter:
             clauses.append("parallel for")
             if loop.simd and loop.parallel == 1:
                 clauses.append("simd")
-            clauses.append("schedule(dynamic, 1)" if loop.omp_schedule == "dynamic"
-                           else "schedule(static)")
+            clauses.append(_schedule_clause(loop))
             if loop.parallel > 1:
                 clauses.append(f"collapse({loop.parallel})")
         elif loop.simd:
@@ -403,6 +402,27 @@ class CEmitter:
         if name == "modpy":
             self.helpers.add(f"modc_{dtype}")
         self.helpers.add(f"{name}_{dtype}")
+
+
+CHUNKS_PER_LOOP = 32  # "chunked" loops: dynamic chunks of about 1/32 of the iterations
+
+
+def _schedule_clause(loop: ir.Loop) -> str:
+    """The OpenMP schedule of a parallel loop: "dynamic" hands out one iteration (a GEMM task) at
+    a time; "chunked" (the memory-bound stages: elementwise, row, pack and depthwise loops)
+    hands out chunks of about 1/CHUNKS_PER_LOOP of the (collapsed) iterations, so that a thread
+    the OS deschedules on a loaded machine holds up only its chunk while the others take the
+    rest; "static" splits the iterations evenly up front."""
+    if loop.omp_schedule == "dynamic":
+        return "schedule(dynamic, 1)"
+    if loop.omp_schedule == "chunked":
+        iterations, level = 1, loop
+        for depth in range(max(loop.parallel, 1)):
+            iterations *= level.static_extent or CHUNKS_PER_LOOP
+            if depth + 1 < loop.parallel:
+                level = level.body[0]
+        return f"schedule(dynamic, {max(1, iterations // CHUNKS_PER_LOOP)})"
+    return "schedule(static)"
 
 
 def _writes(stmt: ir.Stmt) -> set[str]:

@@ -228,7 +228,8 @@ class StageCtx(OpAccess):
         q = self.var("q", t.numel)
         store = ir.Store(name, q, self.builder.value(tensor, Index(t.shape, flat=q)))
         self.stage(f"pack {tensor} for {self.op.id}",
-                   [ir.Loop(q, iconst(0), iconst(t.numel), [store], parallel=1, simd=True)], t.numel)
+                   [ir.Loop(q, iconst(0), iconst(t.numel), [store], parallel=1, simd=True,
+                            omp_schedule="chunked")], t.numel)
         return lambda index: load(name, t.dtype, index.flat)
 
     # names and memory
@@ -510,7 +511,8 @@ class RowStage:
         body = self.body + row_stmts
         if row_stores:
             body.append(ir.Loop(r, iconst(0), iconst(self.view.reduced), row_stores, simd=True))
-        loop = ir.Loop(self.o, iconst(0), iconst(self.view.outer), body, parallel=1)
+        loop = ir.Loop(self.o, iconst(0), iconst(self.view.outer), body, parallel=1,
+                       omp_schedule="chunked")
         kinds = "+".join(dict.fromkeys(op.op_type for op in self.ops))
         work = self.view.outer * self.view.reduced * (self.phases + 1)
         low.add_stage(f"row stage: {kinds} ({', '.join(op.id for op in self.ops)})", [loop], work)
@@ -648,7 +650,8 @@ class BlockLowering:
         i = var(self.names("i"), numel)
         builder = Builder(self)
         stores = [ir.Store(t, i, builder.value(t, Index(shape, flat=i))) for t in tensors]
-        loop = ir.Loop(i, iconst(0), iconst(numel), stores, parallel=1, simd=True)
+        loop = ir.Loop(i, iconst(0), iconst(numel), stores, parallel=1, simd=True,
+                       omp_schedule="chunked")
         self.add_stage(f"elementwise: {', '.join(tensors)}", [loop], numel)
         self._mark_ready()
 

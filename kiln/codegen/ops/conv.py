@@ -320,7 +320,8 @@ def _direct_conv(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: ConvOp
 
     tile_loop = ir.Loop(wt, iconst(0), iconst(tiles), [zero, reduction, over_tile(epilogue)])
     loop = ir.Loop(p, iconst(0), iconst(batch * blocks * rows),
-                   [ir.DeclArray(tile, dtype, mb * tw), tile_loop], parallel=1)
+                   [ir.DeclArray(tile, dtype, mb * tw), tile_loop], parallel=1,
+                   omp_schedule="chunked")
     work = out.numel * cg * math.prod(w.kernel)
     ctx.stage(f"conv ({ctx.op.id}), direct", [loop], work)
     ctx.info.update(form="direct", tile_cout=mb, tile_w=tw)
@@ -404,7 +405,8 @@ def _depthwise_conv(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: Con
         body.append(ir.Loop(oy_var, iconst(y_lo), iconst(y_hi), row(oy_var, list(range(kh)))))
     for oy in range(y_hi, oh):
         body += row(iconst(oy), taps(oy, ih, kh, sh, dh, ph))
-    loop = ir.Loop(p, iconst(0), iconst(batch * m_total), body, parallel=1)
+    loop = ir.Loop(p, iconst(0), iconst(batch * m_total), body, parallel=1,
+                   omp_schedule="chunked")
     ctx.stage(f"conv ({ctx.op.id}), depthwise", [loop], out.numel * kh * kw)
     ctx.info.update(form="depthwise", border=(y_lo, oh - y_hi, x_lo, ow - x_hi))
     return True
