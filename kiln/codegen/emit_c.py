@@ -235,8 +235,8 @@ class CEmitter:
         kc, accumulate = self.ref(call.kc, scope), self.ref(call.accumulate, scope)
         a, b, c = (self.ref(call.a_offset, scope), self.ref(call.b_offset, scope),
                    self.ref(call.c_offset, scope))
-        scope.lines.append(f"{k.function}({kc}, {call.a} + {a}, {call.b} + {b}, {call.c} + {c}, "
-                           f"{call.ldc}, {accumulate});")
+        scope.lines.append(f"{k.function}({kc}, {call.a} + {a}, {call.b} + {b}, {call.ldb}, "
+                           f"{call.c} + {c}, {call.ldc}, {accumulate});")
 
     def branch(self, stmt: ir.If, scope: _Scope) -> None:
         cond = self.ref(stmt.cond, scope)

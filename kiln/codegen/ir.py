@@ -94,7 +94,7 @@ class If:
 @dataclass(eq=False)
 class MicroKernelCall:
     """One register-blocked GEMM tile update (`kiln.codegen.microkernel`):
-    `kernel(kc, a + a_offset, b + b_offset, c + c_offset, ldc, accumulate)`. `a` and `b` are
+    `kernel(kc, a + a_offset, b + b_offset, ldb, c + c_offset, ldc, accumulate)`. `a` and `b` are
     kernel buffers (packed weights or scratch), `c` a local array."""
 
     kernel: MicroKernel
@@ -103,6 +103,7 @@ class MicroKernelCall:
     a_offset: Expr
     b: str
     b_offset: Expr
+    ldb: int
     c: str
     c_offset: Expr
     ldc: int

@@ -4,7 +4,8 @@ One generator serves every ISA: a micro-kernel updates an `mr` × `nr` tile of C
 `mr · nr / lanes` vector registers, for `kc` steps of the sum, from packed operands:
 
 * A panel: `kc` × `mr`, row index fastest (`a[k·mr + r]`), broadcast one scalar at a time;
-* B panel: `kc` × `nr`, column index fastest (`b[k·nr + c]`), loaded as `nr / lanes` vectors;
+* B panel: `kc` rows of `nr` contiguous columns, `ldb` apart (`b[k·ldb + c]`: `ldb = nr` for a
+  packed panel, the padded row length for a row-major operand), loaded as `nr / lanes` vectors;
 * C tile: row-major with leading dimension `ldc`, loaded (when `accumulate`) and stored once.
 
 The compiler turns `acc += a * b` on vector types into FMA instructions of the target: AVX-512
@@ -72,7 +73,8 @@ def micro_kernel_source(k: MicroKernel) -> str:
         f"typedef {k.scalar} {vec} __attribute__((vector_size({k.vector_bytes})));",
         f"typedef {k.scalar} {vecu} __attribute__((vector_size({k.vector_bytes}), aligned({4 if k.dtype == 'float32' else 8})));",
         f"static inline void {k.function}(int64_t kc, const {k.scalar} *restrict a, "
-        f"const {k.scalar} *restrict b, {k.scalar} *restrict c, int64_t ldc, int accumulate) {{",
+        f"const {k.scalar} *restrict b, int64_t ldb, {k.scalar} *restrict c, int64_t ldc, "
+        f"int accumulate) {{",
     ]
     acc = [[f"c{r}_{v}" for v in range(vectors)] for r in range(k.mr)]
     for r in range(k.mr):
@@ -81,7 +83,7 @@ def micro_kernel_source(k: MicroKernel) -> str:
                          f"{v * lanes}) : ({vec}){{0}};")
     lines.append("  for (int64_t k = 0; k < kc; ++k) {")
     for v in range(vectors):
-        lines.append(f"    const {vec} b{v} = *(const {vecu} *)(b + k * {k.nr} + {v * lanes});")
+        lines.append(f"    const {vec} b{v} = *(const {vecu} *)(b + k * ldb + {v * lanes});")
     for r in range(k.mr):
         lines.append(f"    {{ const {k.scalar} a{r} = a[k * {k.mr} + {r}];")
         lines.extend(f"      {acc[r][v]} += a{r} * b{v};" for v in range(vectors))

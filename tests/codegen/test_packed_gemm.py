@@ -73,6 +73,18 @@ def test_batched_matmul_of_activations(batch, m, k, n, tile):
     assert "packed" in forms(kernels)
 
 
+@pytest.mark.parametrize("tile", TILES, ids=lambda t: f"{t[1]}x{t[2]}v{t[0]}")
+def test_activation_operand_read_in_place_or_copied_to_rows(tile):
+    """B rows that are whole panels are read where they are; others are copied into padded rows."""
+    n = 48
+    spec = {"a": ((2, 13, 10), "float32"), "b": ((2, 10, n), "float32")}
+    kernels = run_with(model([helper.make_node("MatMul", ["a", "b"], ["y"])], spec, ["y"]), spec,
+                       small_blocks(tile))
+    stage = next(s for k in kernels for s in k.schedule["stages"] if s.get("form") == "packed")
+    want = "read in place" if n % tile[2] == 0 else "packed in scratch rows"
+    assert stage["b_operand"] == want
+
+
 def test_matrix_vector_products_are_dot_products():
     """One output column would waste all but one lane of each micro-kernel vector."""
     spec = {"x": ((1, 40, 1, 1), "float32")}

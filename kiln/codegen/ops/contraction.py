@@ -112,10 +112,18 @@ def contraction(ctx: StageCtx, spec: Contraction) -> None:
 # --- packed GEMM ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Packed:
-    """An operand packed in panels (see `_pack_operand`)."""
+    """Where the micro-kernel finds an operand: `buffer + offset(batch, k0, x0)` is the panel of
+    rows (A) or columns (B) from x0 at sum index k0, its rows `ld` elements apart."""
 
     buffer: str
-    panels: int
+    offset: Callable[[Expr, Expr, Expr], Expr]
+    ld: int
+
+
+def _panels(buffer: str, panels: int, k: int, unit: int) -> Packed:
+    """Panel layout: element (b, x, k) at ((b·panels + x // unit)·K + k)·unit + x % unit."""
+    return Packed(buffer, lambda b, k0, x0: mul(add(mul(add(mul(b, panels), floordiv(x0, unit)), k),
+                                                    k0), unit), unit)
 
 
 @dataclass(frozen=True)
@@ -184,7 +192,9 @@ def _pack_operand(ctx: StageCtx, spec: Contraction, side: str, value: Operand,
             values = np.where(grid[1] < extent, values, 0).astype(source.data.dtype)
             panelled = values.reshape(nb, panels, unit, spec.k).transpose(0, 1, 3, 2)
             ctx.info[f"{side}_operand"] = "pre-packed constant"
-            return Packed(ctx.derived(np.ascontiguousarray(panelled)), panels)
+            return _panels(ctx.derived(np.ascontiguousarray(panelled)), panels, spec.k, unit)
+    if side == "b":
+        return _b_rows(ctx, spec, probe, (pb, px, pk), unit)
     total = nb * panels
     name = ctx.scratch(spec.dtype, total * spec.k * unit)
     q, r, k = ctx.var("q", total), ctx.var("r", unit), ctx.var("k", spec.k)
@@ -203,7 +213,36 @@ def _pack_operand(ctx: StageCtx, spec: Contraction, side: str, value: Operand,
     ctx.stage(f"pack operand {side.upper()} of {ctx.op.id} in panels",
               [ir.Loop(q, iconst(0), iconst(total), [nest], parallel=1)], total * spec.k * unit)
     ctx.info[f"{side}_operand"] = "packed in scratch"
-    return Packed(name, panels)
+    return _panels(name, panels, spec.k, unit)
+
+
+def _b_rows(ctx: StageCtx, spec: Contraction, probe: Expr, probes: tuple[Expr, Expr, Expr],
+            nr: int) -> Packed:
+    """B computed at run time, read by the micro-kernel as row-major rows of `ld` elements: in
+    place when it is a plain row-major load whose rows are whole panels, else copied once into
+    scratch rows padded to whole panels, by a loop nest along B's rows (an implicit-GEMM
+    convolution's im2col: contiguous along output pixels, its loops split by output row)."""
+    pb, pj, pk = probes
+    nb = max(math.prod(spec.b_batch), 1)
+    row = stride_of(probe, pk)
+    if stride_of(probe, pj) == 1 and row is not None and row >= spec.n and spec.n % nr == 0:
+        offset = probe.args[0]
+        ctx.info["b_operand"] = "read in place"
+        return Packed(probe.name, lambda b, k0, j0: substitute(offset, {pb: b, pk: k0, pj: j0}), row)
+    ld = _round_up(spec.n, nr)
+    name = ctx.scratch(spec.dtype, nb * spec.k * ld)
+    q, j = ctx.var("q", nb * spec.k), ctx.var("j", spec.n)
+    bb, k = Index((nb, spec.k), flat=q).dims
+    rows = [ir.Loop(j, iconst(0), iconst(spec.n), [
+        ir.Store(name, add(mul(q, ld), j), spec.b(Index(spec.b_batch, flat=bb), k, j))], simd=True)]
+    if ld > spec.n:  # the last panel's columns past N: zeros
+        pad = ctx.var("j", ld - spec.n, spec.n)
+        rows.append(ir.Loop(pad, iconst(spec.n), iconst(ld),
+                            [ir.Store(name, add(mul(q, ld), pad), const(0, spec.dtype))]))
+    ctx.stage(f"pack operand B of {ctx.op.id} in rows",
+              [ir.Loop(q, iconst(0), iconst(nb * spec.k), rows, parallel=1)], nb * spec.k * ld)
+    ctx.info["b_operand"] = "packed in scratch rows"
+    return Packed(name, lambda b, k0, j0: add(mul(add(mul(b, spec.k), k0), ld), j0), ld)
 
 
 def _packed(ctx: StageCtx, spec: Contraction) -> None:
@@ -231,12 +270,9 @@ def _packed(ctx: StageCtx, spec: Contraction) -> None:
     b_flat = _batch_of(spec, b, spec.b_batch).flat if spec.b_batch else iconst(0)
     ip, jp = ctx.var("ip", blk.mc // uk.mr), ctx.var("jp", blk.nc // uk.nr)
 
-    def panel_offset(packed: Packed, flat: Expr, first: Expr, panel: Expr, unit: int) -> Expr:
-        return mul(add(mul(add(mul(flat, packed.panels), first, panel), spec.k), k0), unit)
-
     call = ir.MicroKernelCall(
-        uk, kc, packed_a.buffer, panel_offset(packed_a, a_flat, floordiv(i0, uk.mr), ip, uk.mr),
-        packed_b.buffer, panel_offset(packed_b, b_flat, floordiv(j0, uk.nr), jp, uk.nr),
+        uk, kc, packed_a.buffer, packed_a.offset(a_flat, k0, add(i0, mul(ip, uk.mr))),
+        packed_b.buffer, packed_b.offset(b_flat, k0, add(j0, mul(jp, uk.nr))), packed_b.ld,
         tile, add(mul(ip, uk.mr * blk.nc), mul(jp, uk.nr)), blk.nc,
         index_compare("gt", kb, 0) if k_blocks > 1 else const(False, "bool"))
     # each micro-tile's results go through the epilogue right after its last update, from L1
