@@ -73,6 +73,17 @@ class Contraction:
     out: Callable[[Expr, Expr, Expr], Index]  # (flat batch, i, j) -> output index
     finish: Callable[[Expr, Expr, Expr, Expr], Expr]  # (sum, flat batch, i, j) -> result
     dtype: str
+    # where results go when not to the op's output `out` (a kernel's private scratch):
+    # (flat batch, i, j, value) -> statements
+    store: Callable[[Expr, Expr, Expr, Expr], list[ir.Stmt]] | None = None
+
+
+def _results(ctx: StageCtx, spec: Contraction, total: Expr, b: Expr, i: Expr,
+             j: Expr) -> list[ir.Stmt]:
+    value = spec.finish(total, b, i, j)
+    if spec.store is not None:
+        return spec.store(b, i, j, value)
+    return ctx.results({0: (spec.out(b, i, j), value)})
 
 
 def stride_of(e: Expr, v: Expr) -> int | None:
@@ -299,11 +310,12 @@ def _packed_epilogue(ctx: StageCtx, spec: Contraction, blk: Blocking, tile: str,
     (i0, i_lo, mr), (j0, j_lo, nr) = rows, cols
     i, j = ctx.var("i", spec.m), ctx.var("j", spec.n)
     total = array_load(tile, spec.dtype, add(mul(sub(i, i0), blk.nc), sub(j, j0)))
-    stmts = ctx.results({0: (spec.out(b, i, j), spec.finish(total, b, i, j))})
+    stmts = _results(ctx, spec, total, b, i, j)
     i_end = imin(add(i_lo, mr), iconst(spec.m))
     j_end = imin(add(j_lo, nr), iconst(spec.n))
     offset = spec.out(b, i, j).flat
-    rows_inner = (stride_of(load("probe", spec.dtype, offset), i) == 1 and spec.m > 1)
+    rows_inner = (spec.store is None and spec.m > 1
+                  and stride_of(load("probe", spec.dtype, offset), i) == 1)
     if rows_inner:
         return ir.Loop(j, j_lo, j_end, [ir.Loop(i, i_lo, i_end, stmts, simd=True)])
     return ir.Loop(i, i_lo, i_end, [ir.Loop(j, j_lo, j_end, stmts, simd=True)])
@@ -393,7 +405,7 @@ def _ikj(ctx: StageCtx, spec: Contraction, b_operand: BOperand) -> None:
 
     def epilogue(i: Expr, j: Expr) -> list[ir.Stmt]:
         total = array_load(tile, spec.dtype, slot(i, j))
-        return ctx.results({0: (spec.out(b, i, j), spec.finish(total, b, i, j))})
+        return _results(ctx, spec, total, b, i, j)
 
     k_loop = ir.Loop(k, iconst(0), iconst(spec.k), [over_tile(accumulate)])
     body = [ir.DeclArray(tile, spec.dtype, mr * nb), zero, k_loop, over_tile(epilogue)]
@@ -414,7 +426,7 @@ def _dot(ctx: StageCtx, spec: Contraction) -> None:
     k_loop = ir.Loop(k, iconst(0), iconst(spec.k), [ir.Assign(total, binary("add", total, product))],
                      simd=True, reductions=(("+", total),))
     body = [ir.DeclAcc(total, const(0, spec.dtype)), k_loop,
-            *ctx.results({0: (spec.out(b, i, j), spec.finish(total, b, i, j))})]
+            *_results(ctx, spec, total, b, i, j)]
     loop = ir.Loop(p, iconst(0), iconst(bt * spec.m), [ir.Loop(j, iconst(0), iconst(spec.n), body)],
                    parallel=1)
     ctx.stage(f"contraction {ctx.op.op_type} ({ctx.op.id}), dot", [loop],

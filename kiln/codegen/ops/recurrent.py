@@ -1,7 +1,7 @@
 """Recurrent ops: LSTM, GRU, RNN (opaque: always alone in their block).
 
-Per direction: the input projection X·Wᵀ + biases for every time step is one parallel loop nest
-(a dot product per (step, batch, gate row)) into scratch; then a sequential loop over time steps
+Per direction: the input projection X·Wᵀ + biases for every time step is one matrix product
+(`kiln.codegen.ops.contraction`: the packed GEMM for float models) into scratch; then a sequential loop over time steps
 runs, per step, a parallel loop of recurrent dot products h·Rᵀ and a parallel elementwise state
 update. The hidden and cell states live in scratch; `sequence_lens` freezes a batch row's state
 past its length and zeroes its outputs there.
@@ -31,6 +31,7 @@ from kiln.codegen.expr import (
 from kiln.codegen.indexing import Index
 from kiln.codegen.lower import StageCtx
 from kiln.codegen.ops import stage
+from kiln.codegen.ops.contraction import Contraction, contraction
 from kiln.codegen.ops.elementwise import c, clip01, fn, sigmoid, softplus
 from kiln.ecg import Graph, Op
 
@@ -150,20 +151,26 @@ def _direction(ctx: StageCtx, r: Recurrence, d: int, backwards: bool,
             return const(0, dtype)
         return ctx.operand(3, Index(ctx.tensor(3).shape, dims=[iconst(d), _ix(k)]))
 
-    # input projection for all steps: xw[t, b, g] = x·W[g] + Wb[g] (+ Rb[g] outside a reset gate)
+    # input projection for all steps, one matrix product over (step, batch) rows:
+    # xw[t, b, g] = x·W[g] + Wb[g] (+ Rb[g] outside a reset gate)
     xw = ctx.scratch(dtype, r.seq * r.batch * rows)
-    p = ctx.var("p", r.seq * r.batch * rows)
-    t, b, g = Index((r.seq, r.batch, rows), flat=p).dims
-    stmts, dot = _dot(ctx, dtype, r.inputs, lambda i: binary(
-        "mul", x_at(t, b, i), ctx.operand(1, Index(w_shape, dims=[iconst(d), g, i]))))
-    projected = binary("add", dot, bias(g))
-    recurrent_bias = bias(add(g, rows))
-    if lbr:
-        recurrent_bias = select(index_compare("lt", g, 2 * hidden), recurrent_bias, const(0, dtype))
-    stmts.append(ir.Store(xw, p, binary("add", projected, recurrent_bias)))
-    ctx.stage(f"{kind} ({ctx.op.id}) direction {d}: input projection",
-              [ir.Loop(p, iconst(0), iconst(r.seq * r.batch * rows), stmts, parallel=1)],
-              r.seq * r.batch * rows * r.inputs)
+
+    def finish(total: Expr, _: Expr, tb: Expr, g: Expr) -> Expr:
+        recurrent_bias = bias(add(g, rows))
+        if lbr:
+            recurrent_bias = select(index_compare("lt", g, 2 * hidden), recurrent_bias,
+                                    const(0, dtype))
+        return binary("add", binary("add", total, bias(g)), recurrent_bias)
+
+    def x_row(_: Index, tb: Expr, i: Expr) -> Expr:
+        t, b = Index((r.seq, r.batch), flat=tb).dims
+        return x_at(t, b, i)
+
+    contraction(ctx, Contraction(
+        (), r.seq * r.batch, rows, r.inputs, (), (), x_row,
+        lambda _, i, g: ctx.operand(1, Index(w_shape, dims=[iconst(d), g, i])),
+        lambda _, tb, g: Index((r.seq * r.batch, rows), dims=[tb, g]), finish, dtype,
+        store=lambda _, tb, g, value: [ir.Store(xw, add(mul(tb, rows), g), value)]))
 
     # states
     h_state = ctx.scratch(dtype, r.batch * hidden)
