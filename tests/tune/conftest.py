@@ -1,22 +1,9 @@
-import os
-
 import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-
-@pytest.fixture(scope="session", autouse=True)
-def tune_cache(tmp_path_factory):
-    """Tuning tests build into their own cache folder (objects, artifacts)."""
-    folder = tmp_path_factory.mktemp("kiln-tune-cache")
-    saved = os.environ.get("KILN_CACHE_DIR")
-    os.environ["KILN_CACHE_DIR"] = str(folder)
-    yield folder
-    if saved is None:
-        del os.environ["KILN_CACHE_DIR"]
-    else:
-        os.environ["KILN_CACHE_DIR"] = saved
+from tests.runtime.conftest import kiln_cache  # noqa: F401  (autouse: a fresh cache folder here too)
 
 
 @pytest.fixture(scope="session")

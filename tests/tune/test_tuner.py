@@ -50,7 +50,7 @@ def test_budget_is_respected(tmp_path):
     # Slack: a kernel call or code generation in progress at the deadline, the measuring
     # child's shutdown (0.5 s each at most) on a loaded 2-core machine.
     assert elapsed < 2.0 + 2.0
-    assert result.report["seconds"] <= elapsed
+    assert result.report["seconds"] <= elapsed + 0.001  # the report rounds to milliseconds
     assert result.report["budget_s"] == 2.0
 
 
