@@ -3,6 +3,7 @@ math properties and FLOP count, registered in one place (see `kiln.ops.table`).
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, replace
 from typing import Callable, Union
 
@@ -30,6 +31,8 @@ class OpInfo:
 
 
 _REGISTRY: dict[str, OpInfo] = {}
+_LOADED = False
+_LOAD_LOCK = threading.RLock()
 
 
 def register(info: OpInfo) -> OpInfo:
@@ -69,5 +72,11 @@ def annotate(op: Op, graph: Graph) -> Op:
 
 
 def _load_table() -> None:
-    if not _REGISTRY:
+    # A flag set once the import has finished, not "the registry is non-empty": another thread
+    # may be half-way through registering (a threaded worker compiling two models at once).
+    global _LOADED
+    if _LOADED:
+        return
+    with _LOAD_LOCK:
         from kiln.ops import table  # noqa: F401  (registers every op on import)
+        _LOADED = True

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -106,3 +107,14 @@ def test_sources_compile_without_warnings(tmp_path):
     done = subprocess.run(["gcc", "-O2", "-fopenmp", "-Wall", "-Wextra", "-c", str(src), "-o",
                            str(tmp_path / "k.o")], capture_output=True, text=True, check=False)
     assert done.returncode == 0 and not done.stderr, done.stderr
+
+
+def test_supported_ops_after_importing_one_op_module_first():
+    """Importing one lowering module directly registers only its ops: the registry must still
+    load every module when asked, in a fresh interpreter where nothing else was imported."""
+    script = ("import kiln.codegen.ops.contraction\n"
+              "from kiln.codegen.generate import supported_ops\n"
+              "print(len(supported_ops()))")
+    direct = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            check=True)
+    assert int(direct.stdout) == len(supported_ops())

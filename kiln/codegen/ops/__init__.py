@@ -15,6 +15,7 @@ A lowering may also declare `check(op, graph) -> reason | None` for variants it 
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,8 @@ class OpLowering:
 
 
 _REGISTRY: dict[str, OpLowering] = {}
+_LOADED = False
+_LOAD_LOCK = threading.RLock()
 
 
 def _register(kind: str, op_types: tuple[str, ...], check: CheckFn | None,
@@ -70,7 +73,17 @@ def registered() -> dict[str, OpLowering]:
 
 
 def _load() -> None:
-    # Always import them all: importing one op module directly fills part of the registry.
+    # A flag set once every module has been imported, not "the registry is non-empty": importing
+    # one op module directly, or another thread half-way through, fills part of the registry.
+    global _LOADED
+    if _LOADED:
+        return
+    with _LOAD_LOCK:
+        _import_all()
+        _LOADED = True
+
+
+def _import_all() -> None:
     from kiln.codegen.ops import (  # noqa: F401  (each module registers its ops)
         attention,
         contraction,
