@@ -4,7 +4,8 @@ For each model: the artifact compiled with dnnfusion, the artifact compiled with
 none, and onnxruntime (ORT_ENABLE_ALL), all with the same number of threads (default 2), run
 interleaved — one call of each per round — so machine noise hits all three alike. Artifacts run
 in-process through the loader. Prints median milliseconds and the ratios artifact/ort and
-none/dnnfusion, and each artifact's max |diff| against onnxruntime.
+none/dnnfusion, and each artifact's max |diff| against onnxruntime. The order of the three rotates
+each round, and each timed call starts after a short pause (see `interleaved_medians`).
 
     python bench/latency.py [--models bert-base,resnet50] [--rounds 20] [--threads 2]
 """
@@ -31,6 +32,7 @@ from kiln.runtime.artifact import open_artifact
 from kiln.runtime.loader import CompiledModel
 
 PARTITIONERS = ("dnnfusion", "none")
+SETTLE_S = 0.05  # pause before each timed call, so no thread pool is still spinning from the last
 
 
 def ort_session(path: Path, threads: int) -> ort.InferenceSession:
@@ -70,15 +72,21 @@ def max_diff(calls: dict[str, Callable]) -> dict[str, float]:
             for name, call in calls.items() if name != "ort"}
 
 
-def interleaved_medians(calls: dict[str, Callable], rounds: int, warmup: int) -> dict[str, float]:
+def interleaved_medians(calls: dict[str, Callable], rounds: int, warmup: int,
+                        settle_s: float = SETTLE_S) -> dict[str, float]:
+    """Medians over rounds of one call each. The order rotates every round and each timed call
+    starts after a pause: a thread pool spins for a while after its call returns (onnxruntime's
+    and OpenMP's both do), and whoever always ran next would pay for it."""
     for _ in range(warmup):
         for call in calls.values():
             call()
     times: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(rounds):
-        for name, call in calls.items():
+    names = list(calls)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            time.sleep(settle_s)
             start = time.perf_counter()
-            call()
+            calls[name]()
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
