@@ -180,6 +180,10 @@ def numpy_call(case: Case, feeds: dict, consts: dict):
     return call
 
 
+BLOCK = 4  # timed calls per contender and round
+MAX_ROUNDS = 50
+
+
 def measure(calls: dict, seconds: float) -> dict[str, tuple[float, float]]:
     """Interleaved (median, best) seconds: one call of each per round, rounds until each side
     has run about `seconds`."""
@@ -190,13 +194,19 @@ def measure(calls: dict, seconds: float) -> dict[str, tuple[float, float]]:
         start = time.perf_counter()
         call()
         single[name] = time.perf_counter() - start
-    rounds = int(min(200, max(5, seconds / max(max(single.values()), 1e-6))))
+    rounds = int(min(MAX_ROUNDS, max(3, seconds / BLOCK / max(max(single.values()), 1e-6))))
     times: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(rounds):
-        for name, call in calls.items():
-            start = time.perf_counter()
-            call()
-            times[name].append(time.perf_counter() - start)
+    names = list(calls)
+    for r in range(rounds):
+        # Blocks of back-to-back calls, in an order that rotates each round. A block's first
+        # call is not timed: it overlaps the other side's thread pool still spinning (OpenBLAS's
+        # workers busy-wait for up to ~0.1 s after a call) or its own waking from sleep.
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            calls[name]()
+            for _ in range(BLOCK):
+                start = time.perf_counter()
+                calls[name]()
+                times[name].append(time.perf_counter() - start)
     return {name: (statistics.median(t), min(t)) for name, t in times.items()}
 
 
