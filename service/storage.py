@@ -6,10 +6,20 @@
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import tempfile
 from pathlib import Path
+
+
+def file_sha256(path: Path) -> str:
+    """Hex SHA-256 of a file's content, read in 1 MiB chunks."""
+    digest = hashlib.sha256()
+    with Path(path).open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 class Storage:

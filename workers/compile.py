@@ -7,20 +7,18 @@ alive; when the job is cancelled or taken over, the next stage boundary stops th
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import shutil
 import threading
 import time
 from functools import lru_cache
-from pathlib import Path
 
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from service.db import Database
 from service.jobs import lifecycle
 from service.settings import Settings
-from service.storage import Storage
+from service.storage import Storage, file_sha256
 
 log = logging.getLogger("kiln.worker")
 
@@ -98,14 +96,6 @@ def compile_options(claim: lifecycle.Claim):
     return CompileOptions(**{k: v for k, v in wanted.items() if k in known})
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def run_job(settings: Settings, db: Database, job_id: str, worker: str) -> str:
     """Run the job if it is ours to run; return what happened (for logs and tests)."""
     from kiln import pipeline
@@ -143,7 +133,7 @@ def run_job(settings: Settings, db: Database, job_id: str, worker: str) -> str:
         seconds = clock.enter(None)
         if beat.lost.is_set():
             raise JobAborted(job_id)
-        if lifecycle.succeed(db, storage, claim, built, report, seconds, _sha256(built)):
+        if lifecycle.succeed(db, storage, claim, built, report, seconds, file_sha256(built)):
             return "succeeded"
         return "aborted"
     except JobAborted:

@@ -9,7 +9,6 @@ agent's own code (device_agents.measure with the local backend) and returns the 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import os
 import shutil
@@ -21,20 +20,12 @@ from kiln.signature import canonical_json
 from service.db import Database
 from service.devices import service as devices
 from service.profiles.service import NewEntry, summarize
-from service.storage import Storage
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+from service.storage import Storage, file_sha256
 
 
 def store_probe_artifact(storage: Storage, path: Path) -> tuple[str, str]:
     """(relative path, sha256) of the artifact's content-addressed copy in storage."""
-    sha = _sha256(path)
+    sha = file_sha256(path)
     rel = f"probes/{sha}.kiln"
     dest = storage.resolve(rel)
     if not dest.is_file():
