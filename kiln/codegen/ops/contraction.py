@@ -100,21 +100,22 @@ def contraction(ctx: StageCtx, spec: Contraction) -> None:
     bt = math.prod(spec.batch)
     if bt * spec.m * spec.n == 0:
         return
+    if _packed_applies(ctx, spec):
+        _packed(ctx, spec)
+        return
     probe_b = var(ctx.name("pb"), max(math.prod(spec.b_batch), 1))
     probe_k, probe_j = var(ctx.name("pk"), max(spec.k, 1)), var(ctx.name("pj"), spec.n)
     b_probe = spec.b(Index(spec.b_batch, flat=probe_b), probe_k, probe_j)
     a_probe = spec.a(Index(spec.a_batch, flat=var(ctx.name("pa"), max(math.prod(spec.a_batch), 1))),
                      var(ctx.name("pi"), spec.m), probe_k)
-    if _packed_applies(ctx, spec):
-        _packed(ctx, spec)
-    elif (spec.n < ctx.schedule.gemm_min_n and stride_of(b_probe, probe_k) == 1
-          and stride_of(a_probe, probe_k) == 1):
+    dot_ok = stride_of(b_probe, probe_k) == 1 and stride_of(a_probe, probe_k) == 1
+    if spec.n < ctx.schedule.gemm_min_n and dot_ok:
         _dot(ctx, spec)  # few columns: vectorise along the sum instead
     elif stride_of(b_probe, probe_j) == 1:
         _ikj(ctx, spec, spec.b)
     elif (packed := _constant_packed(ctx, spec, b_probe, probe_b, probe_k, probe_j)) is not None:
         _ikj(ctx, spec, packed)
-    elif stride_of(b_probe, probe_k) == 1 and stride_of(a_probe, probe_k) == 1:
+    elif dot_ok:
         _dot(ctx, spec)
     else:
         _ikj(ctx, spec, _pack_in_scratch(ctx, spec))
@@ -179,41 +180,52 @@ def blocking(m: int, n: int, k: int, batch: int, uk: MicroKernel, mc: int, nc: i
 Operand = Callable[[Index, Expr, Expr], Expr]  # (batch index, row of A / column of B, k) -> value
 
 
-def _pack_operand(ctx: StageCtx, spec: Contraction, side: str, value: Operand,
-                  batch: tuple[int, ...], extent: int, unit: int) -> Packed:
-    """An operand in panels of `unit` rows of A (columns of B): element (b, x, k) at
-    ((b·panels + x // unit)·K + k)·unit + x % unit, past `extent` zero. Constants are packed at
-    compile time (weights); other operands by a parallel loop nest before the GEMM, which
-    evaluates the operand's fused prologue once per element."""
-    nb, panels = max(math.prod(batch), 1), -(-extent // unit)
-    width = panels * unit
-    pb, px, pk = (ctx.var("pb", nb), ctx.var("px", max(extent, 1)), ctx.var("pk", spec.k))
-    probe = value(Index(batch, flat=pb), px, pk)
-    if probe.op == "load" and probe.name in ctx.graph.tensors and \
-            ctx.graph.tensors[probe.name].is_constant:
-        source = ctx.graph.tensors[probe.name]
-        grid = np.meshgrid(np.arange(nb), np.arange(width), np.arange(spec.k), indexing="ij")
-        clamped = [grid[0], np.minimum(grid[1], extent - 1), grid[2]]
-        try:
-            offsets = evaluate_index(probe.args[0], dict(zip((pb, px, pk), clamped)))
-        except NotEvaluable:
-            offsets = None
-        if offsets is not None:
-            values = source.data.reshape(-1)[np.broadcast_to(offsets, grid[0].shape)]
-            values = np.where(grid[1] < extent, values, 0).astype(source.data.dtype)
-            panelled = values.reshape(nb, panels, unit, spec.k).transpose(0, 1, 3, 2)
-            ctx.info[f"{side}_operand"] = "pre-packed constant"
-            return _panels(ctx.derived(np.ascontiguousarray(panelled)), panels, spec.k, unit)
-    if side == "b":
-        return _b_rows(ctx, spec, probe, (pb, px, pk), unit)
+@dataclass(frozen=True)
+class OperandSide:
+    """One operand of the product as the packer sees it: its value at (batch index, row of A or
+    column of B, k), its batch shape, and its extent along the panel axis (M or N)."""
+
+    name: str
+    value: Operand
+    batch: tuple[int, ...]
+    extent: int
+
+    def probes(self, ctx: StageCtx, k: int) -> tuple[Expr, Expr, Expr, Expr]:
+        """(probe value, batch var, panel-axis var, k var)."""
+        pb = ctx.var("pb", max(math.prod(self.batch), 1))
+        px, pk = ctx.var("px", max(self.extent, 1)), ctx.var("pk", k)
+        return self.value(Index(self.batch, flat=pb), px, pk), pb, px, pk
+
+
+def _constant_panels(ctx: StageCtx, spec: Contraction, side: OperandSide, unit: int) -> Packed | None:
+    """A constant operand (weights) packed at compile time in panels of `unit` rows of A
+    (columns of B), past the extent zero; None if the operand is not a constant."""
+    nb, panels = max(math.prod(side.batch), 1), -(-side.extent // unit)
+    probe, *probes = side.probes(ctx, spec.k)
+    grid = np.meshgrid(np.arange(nb), np.arange(panels * unit), np.arange(spec.k), indexing="ij")
+    clamped = [grid[0], np.minimum(grid[1], side.extent - 1), grid[2]]
+    values = constant_values(ctx, probe, tuple(probes), clamped)
+    if values is None:
+        return None
+    values = np.where(grid[1] < side.extent, values, 0).astype(values.dtype)
+    panelled = values.reshape(nb, panels, unit, spec.k).transpose(0, 1, 3, 2)
+    ctx.info[f"{side.name}_operand"] = "pre-packed constant"
+    return _panels(ctx.derived(np.ascontiguousarray(panelled)), panels, spec.k, unit)
+
+
+def _scratch_panels(ctx: StageCtx, spec: Contraction, side: OperandSide, unit: int) -> Packed:
+    """The operand packed in panels (the layout of `_panels`, past the extent zero) once per call
+    by a parallel loop nest, which evaluates the operand's fused prologue once per element."""
+    nb, panels = max(math.prod(side.batch), 1), -(-side.extent // unit)
+    probe, _, px, _ = side.probes(ctx, spec.k)
     total = nb * panels
     name = ctx.scratch(spec.dtype, total * spec.k * unit)
     q, r, k = ctx.var("q", total), ctx.var("r", unit), ctx.var("k", spec.k)
     bb, panel = Index((nb, panels), flat=q).dims
     x = add(mul(panel, unit), r)
-    element = value(Index(batch, flat=bb), imin(x, iconst(extent - 1)), k)
-    if extent % unit:
-        element = select(index_compare("lt", x, extent), element, const(0, spec.dtype))
+    element = side.value(Index(side.batch, flat=bb), imin(x, iconst(side.extent - 1)), k)
+    if side.extent % unit:
+        element = select(index_compare("lt", x, side.extent), element, const(0, spec.dtype))
     store = ir.Store(name, add(mul(add(mul(q, spec.k), k), unit), r), element)
     if stride_of(probe, px) == 1:  # contiguous along the panel axis: read along it
         nest = ir.Loop(k, iconst(0), iconst(spec.k), [ir.Loop(r, iconst(0), iconst(unit), [store],
@@ -221,19 +233,18 @@ def _pack_operand(ctx: StageCtx, spec: Contraction, side: str, value: Operand,
     else:
         nest = ir.Loop(r, iconst(0), iconst(unit), [ir.Loop(k, iconst(0), iconst(spec.k), [store],
                                                             simd=True)])
-    ctx.stage(f"pack operand {side.upper()} of {ctx.op.id} in panels",
+    ctx.stage(f"pack operand {side.name.upper()} of {ctx.op.id} in panels",
               [ir.Loop(q, iconst(0), iconst(total), [nest], parallel=1)], total * spec.k * unit)
-    ctx.info[f"{side}_operand"] = "packed in scratch"
+    ctx.info[f"{side.name}_operand"] = "packed in scratch"
     return _panels(name, panels, spec.k, unit)
 
 
-def _b_rows(ctx: StageCtx, spec: Contraction, probe: Expr, probes: tuple[Expr, Expr, Expr],
-            nr: int) -> Packed:
+def _b_rows(ctx: StageCtx, spec: Contraction, side: OperandSide, nr: int) -> Packed:
     """B computed at run time, read by the micro-kernel as row-major rows of `ld` elements: in
     place when it is a plain row-major load whose rows are whole panels, else copied once into
     scratch rows padded to whole panels, by a loop nest along B's rows (an implicit-GEMM
     convolution's im2col: contiguous along output pixels, its loops split by output row)."""
-    pb, pj, pk = probes
+    probe, pb, pj, pk = side.probes(ctx, spec.k)
     nb = max(math.prod(spec.b_batch), 1)
     row = stride_of(probe, pk)
     if stride_of(probe, pj) == 1 and row is not None and row >= spec.n and spec.n % nr == 0:
@@ -259,9 +270,10 @@ def _b_rows(ctx: StageCtx, spec: Contraction, probe: Expr, probes: tuple[Expr, E
 def _packed(ctx: StageCtx, spec: Contraction) -> None:
     s = ctx.schedule
     uk = _micro_kernel(ctx, spec.dtype)
-    packed_a = _pack_operand(ctx, spec, "a", spec.a, spec.a_batch, spec.m, uk.mr)
-    packed_b = _pack_operand(ctx, spec, "b", lambda bi, j, k: spec.b(bi, k, j), spec.b_batch,
-                             spec.n, uk.nr)
+    a = OperandSide("a", spec.a, spec.a_batch, spec.m)
+    b_side = OperandSide("b", lambda bi, j, k: spec.b(bi, k, j), spec.b_batch, spec.n)
+    packed_a = _constant_panels(ctx, spec, a, uk.mr) or _scratch_panels(ctx, spec, a, uk.mr)
+    packed_b = _constant_panels(ctx, spec, b_side, uk.nr) or _b_rows(ctx, spec, b_side, uk.nr)
     bt = math.prod(spec.batch)
     blk = blocking(spec.m, spec.n, spec.k, bt, uk, s.gemm_mc, s.gemm_nc, s.gemm_kc)
     row_blocks, col_blocks, k_blocks = (-(-spec.m // blk.mc), -(-spec.n // blk.nc),
@@ -325,21 +337,31 @@ def _batch_of(spec: Contraction, b: Expr, shape: tuple[int, ...]) -> Index:
     return broadcast(Index(spec.batch, flat=b), shape)
 
 
-def _constant_packed(ctx: StageCtx, spec: Contraction, probe: Expr, pb: Expr, pk: Expr,
-                     pj: Expr) -> BOperand | None:
-    """A constant B read through an index remap: gather it once at compile time."""
+def constant_values(ctx: StageCtx, probe: Expr, probes: tuple[Expr, ...],
+                    grid: list[np.ndarray]) -> np.ndarray | None:
+    """The elements a load `probe` of a constant reads at every point of `grid` (one array per
+    probe variable), gathered at compile time; None if `probe` is not such a load or its index
+    cannot be evaluated."""
     if probe.op != "load" or probe.name not in ctx.graph.tensors:
         return None
     source = ctx.graph.tensors[probe.name]
     if not source.is_constant:
         return None
-    nb = max(math.prod(spec.b_batch), 1)
-    grid = np.meshgrid(np.arange(nb), np.arange(spec.k), np.arange(spec.n), indexing="ij")
     try:
-        offsets = evaluate_index(probe.args[0], dict(zip((pb, pk, pj), grid)))
+        offsets = evaluate_index(probe.args[0], dict(zip(probes, grid)))
     except NotEvaluable:
         return None
-    packed = source.data.reshape(-1)[np.broadcast_to(offsets, grid[0].shape)]
+    return source.data.reshape(-1)[np.broadcast_to(offsets, grid[0].shape)]
+
+
+def _constant_packed(ctx: StageCtx, spec: Contraction, probe: Expr, pb: Expr, pk: Expr,
+                     pj: Expr) -> BOperand | None:
+    """A constant B read through an index remap: gather it once at compile time."""
+    nb = max(math.prod(spec.b_batch), 1)
+    grid = np.meshgrid(np.arange(nb), np.arange(spec.k), np.arange(spec.n), indexing="ij")
+    packed = constant_values(ctx, probe, (pb, pk, pj), grid)
+    if packed is None:
+        return None
     name = ctx.derived(packed.reshape(nb, spec.k, spec.n))
     ctx.info["b_operand"] = "derived constant"
     return lambda bb, k, j: load(name, spec.dtype, add(mul(add(mul(bb.flat, spec.k), k), spec.n), j))
