@@ -108,7 +108,8 @@ def test_without_relaxation_dnnfusion_never_fuses_red_pairs(graph, seed):
 @given(graph=random_dags(), seed=st.integers(0, 1000))
 def test_red_pairs_fuse_only_through_a_named_relaxation(graph, seed):
     plan = partitioner("dnnfusion")(graph, RandomLatencies(seed))
-    allowed = {"green", "yellow", "yellow: tiny intermediate", "yellow: row-local ops over the same rows"}
+    allowed = {"green", "yellow", "yellow: tiny intermediate", "yellow: row-local ops over the same rows",
+               "green: epilogue rather than prologue"}
     assert {d.reason for d in plan.decisions if d.fused} <= allowed
 
 
@@ -149,7 +150,7 @@ def test_dnnfusion_grows_from_the_seed_as_listing_1_does():
     # GELU chain joins the second MatMul as its prologue (O2O + M2M is green, as Add + Conv in the
     # paper's Figure 3); the first MatMul is then refused (M2M + M2M is red) and stays alone.
     graph = bias_gelu_graph()
-    plan = DNNFusion(Constraints(relax_red=False))(graph, RandomLatencies(0))
+    plan = DNNFusion(Constraints(relax_red=False, prefer_epilogues=False))(graph, RandomLatencies(0))
     assert plan.kernels == 2
     first, second = plan.blocks
     assert first.op_ids == ("op0",)
@@ -164,6 +165,39 @@ def test_dnnfusion_grows_from_the_seed_as_listing_1_does():
     relaxed = partitioner("dnnfusion")(graph, RandomLatencies(0))
     assert relaxed.kernels == 1
     assert [d.reason for d in relaxed.decisions if d.second == "op0"] == ["yellow: row-local ops over the same rows"]
+
+
+def conv_chain_graph(outputs=("y",)):
+    """Conv 1×1 → SiLU (Sigmoid, Mul) → Conv 3×3 → Relu → Conv 1×1: a MobileNet/EfficientNet block."""
+    shapes = {"x": (1, 8, 40, 40), "w1": (16, 8, 1, 1), "h1": (1, 16, 40, 40), "s1": (1, 16, 40, 40),
+              "a1": (1, 16, 40, 40), "w2": (16, 16, 3, 3), "h2": (1, 16, 38, 38), "r2": (1, 16, 38, 38),
+              "w3": (8, 16, 1, 1), "y": (1, 8, 38, 38)}  # intermediates above `tiny_bytes`
+    constants = {w: np.ones(shapes[w], np.float32) for w in ("w1", "w2", "w3")}
+    ops = [("Conv", ["x", "w1"], ["h1"]), ("Sigmoid", ["h1"], ["s1"]), ("Mul", ["h1", "s1"], ["a1"]),
+           ("Conv", ["a1", "w2"], ["h2"]), ("Relu", ["h2"], ["r2"]), ("Conv", ["r2", "w3"], ["y"])]
+    return ecg(ops, shapes, ["x"], list(outputs), constants)
+
+
+def op_types(plan: FusionPlan) -> list[list[str]]:
+    return [[plan.graph.op_by_id[i].op_type for i in b.op_ids] for b in plan.blocks]
+
+
+def test_activations_end_the_contraction_before_them_rather_than_start_the_next():
+    graph = conv_chain_graph()
+    listing = DNNFusion(Constraints(prefer_epilogues=False))(graph, RandomLatencies(0))
+    # Listing 1 alone: the activation seeds grow successors first and become prologues.
+    assert op_types(listing) == [["Conv"], ["Sigmoid", "Mul", "Conv"], ["Relu", "Conv"]]
+    plan = partitioner("dnnfusion")(graph, RandomLatencies(0))
+    assert op_types(plan) == [["Conv", "Sigmoid", "Mul"], ["Conv", "Relu"], ["Conv"]]
+    moved = [d.second for d in plan.decisions if d.reason == "green: epilogue rather than prologue"]
+    assert sorted(moved) == ["op1", "op2", "op4"]
+
+
+def test_a_contraction_result_read_elsewhere_keeps_its_prologue():
+    # h1 is also a model output, so the first Conv's block must write it and moving SiLU saves
+    # nothing; the Relu still moves.
+    plan = partitioner("dnnfusion")(conv_chain_graph(outputs=("y", "h1")), RandomLatencies(0))
+    assert op_types(plan) == [["Conv"], ["Sigmoid", "Mul", "Conv", "Relu"], ["Conv"]]
 
 
 def test_baselines_on_the_feed_forward_graph():

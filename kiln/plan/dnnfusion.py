@@ -53,6 +53,7 @@ class Constraints:
     tiny_bytes: int = 16 * 1024  # half of a 32 KiB L1 data cache
     tile_operand_bytes: int = 1 << 20  # what every row tile re-reads must stay in a 1 MiB L2
     relax_red: bool = True
+    prefer_epilogues: bool = True
 
 
 @register_partitioner("dnnfusion")
@@ -91,7 +92,10 @@ class _Planning:
             self.assigned |= self.block
             self.group_of.update((op_id, len(self.groups)) for op_id in self.block)
             self.groups.append(self.block)
-        return build_plan(self.graph, self.groups, name, self.decisions, self.yellow_lookups)
+        if self.constraints.prefer_epilogues:
+            self.prefer_epilogues()
+        groups = [g for g in self.groups if g]
+        return build_plan(self.graph, groups, name, self.decisions, self.yellow_lookups)
 
     # Step 1 ------------------------------------------------------------------------------
     def next_seed(self) -> Op | None:
@@ -237,6 +241,63 @@ class _Planning:
             ordered = sorted(key[0], key=self.graph.order.__getitem__)
             self._latency[key] = (store or self.store).latency(self.graph, ordered)
         return self._latency[key]
+
+    # Step 4: epilogues rather than prologues ----------------------------------------------
+    def prefer_epilogues(self) -> None:
+        """Moves elementwise ops that a block applies to a contraction's result as it reads them
+        (a prologue) into the contraction's block (an epilogue). Seeds grow successors first, so
+        a Clip between two convolutions ends up in front of the second; there it is evaluated
+        once per use (a 3×3 convolution uses each input nine times, and a 1×1 convolution must
+        copy an input it would otherwise read in place), at the end of the first once per
+        element, in registers. Any mapping type followed by One-to-One is green in Table 3."""
+        moved = True
+        while moved:
+            moved = any(self.move_prologue(group, producer, ops)
+                        for group in range(len(self.groups))
+                        for producer, ops in self.prologues(group).items())
+
+    def prologues(self, group: int) -> dict[int, list[Op]]:
+        """By producing block: the One-to-One ops of `group` that read only that block's
+        results (and each other's and constants), when that block is a single contraction's."""
+        graph, found = self.graph, {}
+        source_of: dict[str, int] = {}
+        members = sorted(self.groups[group], key=graph.order.__getitem__)
+        for op in (graph.op_by_id[i] for i in members):
+            if op.mapping != MappingType.ONE_TO_ONE or _is_opaque(op):
+                continue
+            sources = {source_of.get(p.id, self.group_of[p.id])
+                       for p in map(graph.producer, graph.activation_inputs(op)) if p is not None}
+            if len(sources) != 1 or group in sources or not self.is_contraction_block(*sources):
+                continue
+            source_of[op.id] = sources.pop()
+            found.setdefault(source_of[op.id], []).append(op)
+        return found
+
+    def is_contraction_block(self, group: int) -> bool:
+        ops = [self.graph.op_by_id[i] for i in self.groups[group]]
+        heavy = [op for op in ops if op.mapping == MappingType.MANY_TO_MANY]
+        return (len(heavy) == 1 and heavy[0].compute_intensive
+                and not any(_is_opaque(op) for op in ops))
+
+    def move_prologue(self, group: int, producer: int, ops: list[Op]) -> bool:
+        """Moves `ops` from `group` to `producer` if the tensors they read from it are read by
+        nothing else and the grown block keeps within the constraints."""
+        graph, moving = self.graph, {op.id for op in ops}
+        target = self.groups[producer]
+        read = {t for op in ops for t in graph.activation_inputs(op)
+                if (p := graph.producer(t)) is not None and p.id in target}
+        if any(t in graph.outputs or any(c.id not in target | moving for c in graph.consumers(t))
+               for t in read):
+            return False
+        if self.violated_constraint(target | moving):
+            return False
+        label = "+".join(sorted(target, key=graph.order.__getitem__))
+        self.decisions += [Decision(label, op.id, True, "green: epilogue rather than prologue")
+                           for op in ops]
+        self.groups[group] -= moving
+        target |= moving
+        self.group_of.update((op_id, producer) for op_id in moving)
+        return True
 
     # Legality ----------------------------------------------------------------------------
     def path_outside(self, sources: set[str], targets: set[str]) -> bool:

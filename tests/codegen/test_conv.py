@@ -147,14 +147,15 @@ def depthwise_cases(draw):
 
 
 @settings(max_examples=30, deadline=None)
-@given(depthwise_cases(), st.sampled_from(["none", "clip", "swish-in", "bias-add"]))
+@given(depthwise_cases(), st.sampled_from(["none", "clip", "swish-in", "bias-add", "scale-swish"]))
 def test_depthwise_conv(case, fusion):
     """Depthwise convs with a prologue or an epilogue fused, against onnxruntime."""
     x_shape, w_shape, attrs = case
     rng = np.random.default_rng(3)
     inits = {"w": rng.standard_normal(w_shape).astype(np.float32),
              "b": rng.standard_normal(w_shape[0]).astype(np.float32),
-             "lo": np.array(0, np.float32), "hi": np.array(6, np.float32)}
+             "lo": np.array(0, np.float32), "hi": np.array(6, np.float32),
+             "scale": rng.standard_normal((w_shape[0], 1, 1)).astype(np.float32)}
     spec = {"x": (x_shape, "float32")}
     conv_in, inputs = "x", ["x", "w", "b"]
     nodes = []
@@ -166,6 +167,9 @@ def test_depthwise_conv(case, fusion):
         nodes.append(helper.make_node("Clip", ["c", "lo", "hi"], ["y"]))
     elif fusion == "bias-add":
         nodes.append(helper.make_node("Add", ["c", "c"], ["y"]))
+    elif fusion == "scale-swish":  # a per-channel broadcast and an exp in the epilogue
+        nodes += [helper.make_node("Mul", ["c", "scale"], ["cs"]),
+                  helper.make_node("Sigmoid", ["cs"], ["sg"]), helper.make_node("Mul", ["cs", "sg"], ["y"])]
     else:
         nodes.append(helper.make_node("Identity", ["c"], ["y"]))
     check_model(model(nodes, spec, ["y"], inits), random_inputs(spec))

@@ -349,7 +349,11 @@ def _depthwise_conv(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: Con
     each side, each written out with its own static set of valid taps: no padding test, no
     select and no accumulator array anywhere. The interior column loop is the vectorised loop;
     the whole kh × kw window is unrolled in its body (accumulated in registers, inputs read as
-    contiguous or strided vectors), and the fused epilogue is applied before the one store."""
+    contiguous or strided vectors), and the fused epilogue is applied before the one store.
+    With a fused epilogue and border columns, the plane's sums go to a buffer first and the
+    epilogue runs over the whole plane as one vectorised loop: applied point by point, the
+    border columns (and rows narrower than a vector) would evaluate it in scalar code, an exp
+    per point for a SiLU."""
     x_shape, out = ctx.graph.tensors[ops.x].shape, ctx.out()
     if len(w.kernel) != 2 or x_shape[1] // group != 1 or math.prod(w.kernel) > 49:
         return False
@@ -382,8 +386,9 @@ def _depthwise_conv(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: Con
                 total = term if total is None else binary("add", total, term)
         if total is None:
             total = const(0, ops.acc_dtype)
-        index = Index(out.shape, dims=[n, m, oy, ox])
-        return ctx.results({0: (index, ops.finish(total, m))})
+        if buffered:
+            return [ir.ArrayStore(plane_sums, add(mul(oy, ow), ox), total)]
+        return ctx.results({0: (Index(out.shape, dims=[n, m, oy, ox]), ops.finish(total, m))})
 
     def row(oy: Expr, kys: list[int]) -> list[ir.Stmt]:
         stmts: list[ir.Stmt] = []
@@ -397,6 +402,9 @@ def _depthwise_conv(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: Con
             stmts += point(oy, iconst(ox), kys, taps(ox, iw, kw, sw, dw, pw))
         return stmts
 
+    buffered = bool(ctx.fused.get(ctx.op.outputs[0])) and (x_lo > 0 or x_hi < ow)
+    plane_sums = ctx.name("plane")
+
     body: list[ir.Stmt] = []
     for oy in range(y_lo):
         body += row(iconst(oy), taps(oy, ih, kh, sh, dh, ph))
@@ -405,10 +413,17 @@ def _depthwise_conv(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: Con
         body.append(ir.Loop(oy_var, iconst(y_lo), iconst(y_hi), row(oy_var, list(range(kh)))))
     for oy in range(y_hi, oh):
         body += row(iconst(oy), taps(oy, ih, kh, sh, dh, ph))
+    if buffered:
+        q = ctx.var("q", oh * ow)
+        total = ops.finish(array_load(plane_sums, ops.acc_dtype, q), m)
+        epilogue = ctx.results({0: (Index(out.shape, flat=add(mul(p, oh * ow), q)), total)})
+        body = [ir.DeclArray(plane_sums, ops.acc_dtype, oh * ow), *body,
+                ir.Loop(q, iconst(0), iconst(oh * ow), epilogue, simd=True)]
     loop = ir.Loop(p, iconst(0), iconst(batch * m_total), body, parallel=1,
                    omp_schedule="chunked")
     ctx.stage(f"conv ({ctx.op.id}), depthwise", [loop], out.numel * kh * kw)
-    ctx.info.update(form="depthwise", border=(y_lo, oh - y_hi, x_lo, ow - x_hi))
+    ctx.info.update(form="depthwise", border=(y_lo, oh - y_hi, x_lo, ow - x_hi),
+                    plane_buffer=buffered)
     return True
 
 

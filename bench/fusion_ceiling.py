@@ -1,0 +1,109 @@
+"""Where the unfused time goes, and how much any fusion could save of it.
+
+For each full-size zoo model, the artifacts built with partitioner none and with dnnfusion run in
+the runner (a process of their own, 2 threads) with per-kernel timing. Every kernel is counted as
+compute-intensive when its block holds a contraction (MatMul, Gemm, Conv, Einsum, LSTM/GRU/RNN:
+the ops Table 5 of DNNFusion calls CIL) and as memory-intensive otherwise. Fusion removes
+memory-intensive kernels by folding them into others; it does not make a contraction cheaper
+(a fused contraction does the same multiply-adds plus its epilogue). So the unfused build's
+compute-intensive time is a floor for any fused build, and
+
+    ceiling = none total / none compute-intensive
+
+bounds none/dnnfusion for that model on this machine. Prints both builds' split, the measured
+none/dnnfusion (end-to-end medians of the runner) and the ceiling, with geomeans.
+
+    python bench/fusion_ceiling.py [--models bert-base,resnet50] [--runs 20] [--threads 2]
+                                   [--keep DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.zoo import MODELS, ensure_model, make_inputs  # noqa: E402
+from kiln.ops import op_info  # noqa: E402
+from kiln.pipeline import CompileOptions, compile_artifact  # noqa: E402
+from kiln.profile.local import default_store  # noqa: E402
+from kiln.runtime.artifact import open_artifact  # noqa: E402
+from kiln.runtime.execute import run_runner  # noqa: E402
+
+PARTITIONERS = ("none", "dnnfusion")
+
+
+def split_ms(timing: dict, plan: dict) -> tuple[float, float, float]:
+    """(end-to-end median, compute-intensive kernels, memory-intensive kernels), in ms."""
+    contracting = {b["id"] for b in plan["blocks"]
+                   if any(op_info(o["type"]).compute_intensive for o in b["ops"])}
+    compute = memory = 0.0
+    for kernel in timing["kernels"]:
+        if kernel["block"] in contracting:
+            compute += kernel["median_ns"]
+        else:
+            memory += kernel["median_ns"]
+    return timing["latency_ns"]["median"] / 1e6, compute / 1e6, memory / 1e6
+
+
+def measure(name: str, work: Path, runs: int, threads: int) -> dict[str, tuple[float, float, float]]:
+    path, inputs = ensure_model(name), make_inputs(name)
+    artifacts = {}
+    for partitioner in PARTITIONERS:
+        out = work / f"{name}-{partitioner}.kiln"
+        if not out.exists():
+            start = time.perf_counter()
+            compile_artifact(path, out, CompileOptions(partitioner=partitioner), default_store())
+            print(f"  compiled {name} with {partitioner} in {time.perf_counter() - start:.1f} s",
+                  file=sys.stderr)
+        artifacts[partitioner] = open_artifact(out, work / "extracted" / f"{name}-{partitioner}")
+    splits: dict[str, list[tuple[float, float, float]]] = {p: [] for p in PARTITIONERS}
+    for half in range(2):  # two alternating halves, so drift on the machine hits both builds
+        for partitioner in PARTITIONERS if half == 0 else PARTITIONERS[::-1]:
+            artifact = artifacts[partitioner]
+            timing = run_runner(artifact, inputs, runs, 3, threads, keep_outputs=False).timing
+            splits[partitioner].append(split_ms(timing, artifact.plan))
+    return {p: tuple(min(s[i] for s in got) for i in range(3)) for p, got in splits.items()}
+
+
+def geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--keep", type=Path, help="compile into (and reuse artifacts from) DIR")
+    args = parser.parse_args(argv)
+    header = (f"{'model':16s} {'none ms':>8s} {'CIL ms':>8s} {'MIL ms':>8s} {'MIL%':>5s} | "
+              f"{'dnnf ms':>8s} {'CIL ms':>8s} {'MIL ms':>8s} | {'none/dnnf':>9s} {'ceiling':>8s}")
+    rows, measured, ceilings = [], [], []
+    with tempfile.TemporaryDirectory(prefix="kiln-ceiling-") as tmp:
+        work = args.keep or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        for name in args.models.split(","):
+            got = measure(name, work, args.runs, args.threads)
+            (none, none_ci, none_mi), (dnnf, dnnf_ci, dnnf_mi) = got["none"], got["dnnfusion"]
+            measured.append(none / dnnf)
+            ceilings.append(none / none_ci)
+            rows.append(f"{name:16s} {none:8.2f} {none_ci:8.2f} {none_mi:8.2f} "
+                        f"{100 * none_mi / none:4.0f}% | {dnnf:8.2f} {dnnf_ci:8.2f} {dnnf_mi:8.2f} | "
+                        f"{measured[-1]:9.2f} {ceilings[-1]:8.2f}")
+            print(rows[-1], file=sys.stderr)
+    print(f"runner medians (best of two alternating halves), {args.threads} threads, "
+          f"{args.runs} runs; CIL = kernels holding a contraction, MIL = the rest")
+    print(header)
+    print("\n".join(rows))
+    print(f"geomean none/dnnfusion measured {geomean(measured):.2f}, "
+          f"ceiling (none / its CIL time) {geomean(ceilings):.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
