@@ -20,6 +20,8 @@ MISSING_EXTRA = ("the service needs its Python packages: pip install -e '.[servi
 
 
 def add_commands(commands) -> None:
+    from kiln.tune import DEFAULT_BUDGET_S, TUNE_MODES
+
     serve = commands.add_parser("serve", help="run the service on this machine: API and a worker, "
                                 "SQLite and a file broker in one data folder")
     _server_args(serve)
@@ -45,6 +47,14 @@ def add_commands(commands) -> None:
     submit.add_argument("--shape", action="append", default=[], metavar="NAME=D0,D1,…",
                         help="value of an input's symbolic dimensions (repeatable)")
     submit.add_argument("--no-rewrite", action="store_true", help="skip math-property rewrites")
+    submit.add_argument("--tune", default="off", choices=TUNE_MODES,
+                        help="tune kernel schedules on the worker's CPU: quick (a few fixed "
+                        "candidates per block) or full (a genetic search); measurements go into "
+                        "the service's profile database (default: off)")
+    submit.add_argument("--tune-budget", type=_budget, metavar="SECONDS",
+                        help="time limit for tuning (default: " + ", ".join(
+                            f"{m} {s:g} s" for m, s in DEFAULT_BUDGET_S.items())
+                        + "; the service allows at most 3600 s)")
     submit.add_argument("--wait", action="store_true",
                         help="follow the job with a progress bar, then download the artifact "
                         "and print the report")
@@ -444,6 +454,17 @@ class ProgressBar:
             self.stream.flush()
 
 
+def _budget(text: str) -> float:
+    """--tune-budget: a positive number of seconds (the service checks its upper bound)."""
+    from kiln.errors import KilnError
+    from kiln.tune import check_budget
+
+    try:
+        return check_budget(text)
+    except KilnError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _submit(args: argparse.Namespace) -> int:
     from kiln import frontend
     from kiln.report import format_report
@@ -458,9 +479,11 @@ def _submit(args: argparse.Namespace) -> int:
         try:
             model = client.upload_model(model_path)
             job = client.submit(model["id"], args.target, args.partitioner,
-                                {k: list(v) for k, v in shapes.items()}, not args.no_rewrite)
+                                {k: list(v) for k, v in shapes.items()}, not args.no_rewrite,
+                                args.tune, args.tune_budget)
+            tuning = f", tune {args.tune}" if args.tune != "off" else ""
             print(f"job {job['id']} queued: {model_path.name} for {args.target} "
-                  f"({args.partitioner})", file=sys.stderr)
+                  f"({args.partitioner}{tuning})", file=sys.stderr)
             if not args.wait:
                 print(job["id"])
                 return 0
@@ -480,6 +503,10 @@ def _submit(args: argparse.Namespace) -> int:
             print(f"kiln: error: {exc}", file=sys.stderr)
             return 2
     print(format_report(report))
+    if "tuning" in report:
+        from kiln.cli import format_tuning
+
+        print(format_tuning(report["tuning"]))
     seconds = ", ".join(f"{k} {v:.2f}s" for k, v in job["stage_seconds"].items())
     print(f"wrote {output} ({job['artifact']['size_bytes']} bytes); job {job['id']}: {seconds}")
     return 0

@@ -2,7 +2,7 @@
 
     client = KilnClient("http://127.0.0.1:8000", api_key)
     model = client.upload_model("tinybert.onnx")
-    job = client.submit(model["id"], target="host")
+    job = client.submit(model["id"], target="host", tune="quick", tune_budget_s=30)
     job = client.wait(job["id"], on_progress=print)
     client.download_artifact(job["id"], "tinybert.kiln")
 """
@@ -67,9 +67,13 @@ class KilnClient:
         return self._check(response).json()
 
     def submit(self, model_id: str, target: str = "host", partitioner: str = "dnnfusion",
-               shapes: dict[str, list[int]] | None = None, rewrite: bool = True) -> dict[str, Any]:
+               shapes: dict[str, list[int]] | None = None, rewrite: bool = True,
+               tune: str = "off", tune_budget_s: float | None = None) -> dict[str, Any]:
         body = {"model_id": model_id, "target": target, "partitioner": partitioner,
-                "shapes": {k: list(v) for k, v in (shapes or {}).items()}, "rewrite": rewrite}
+                "shapes": {k: list(v) for k, v in (shapes or {}).items()}, "rewrite": rewrite,
+                "tune": tune}
+        if tune_budget_s is not None:
+            body["tune_budget_s"] = tune_budget_s
         return self._check(self.http.post("/v1/jobs", json=body)).json()
 
     def job(self, job_id: str) -> dict[str, Any]:

@@ -91,7 +91,8 @@ def compile_options(claim: lifecycle.Claim):
     from kiln.pipeline import CompileOptions
 
     wanted = {"partitioner": claim.partitioner, "target": claim.target, "rewrite": claim.rewrite,
-              "shapes": {k: tuple(v) for k, v in claim.shapes.items()}}
+              "shapes": {k: tuple(v) for k, v in claim.shapes.items()},
+              "tune": claim.tune, "tune_budget": claim.tune_budget_s}
     known = {f.name for f in dataclasses.fields(CompileOptions)}
     return CompileOptions(**{k: v for k, v in wanted.items() if k in known})
 

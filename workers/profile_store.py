@@ -17,9 +17,15 @@ compile's target — the best entry, measured before predicted. On a miss:
 Blocks that run no kernel of their own (views) and blocks that cannot be built alone are answered
 by the cost model (and not tried again by this store). `stats()` counts the answers by kind:
 hit, measured-local, dispatched / measured-agent / timed-out, cost-model (why).
+
+The tuner's side (`schedules`, `record`) uses this machine's device class whatever the target:
+kiln.tune measures its candidates on the worker's own CPU (it tunes only targets that run here),
+so a tuned `x86_64` compile files its measurements under the worker, not under an agent device
+of that architecture (and does not fail when no such device is online).
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import tempfile
 import time
@@ -63,6 +69,10 @@ class DatabaseProfileStore:
         online = devices.online_devices(self.db, arch=self.target.arch)
         return online[0].fingerprint if online else None
 
+    def _here(self) -> str:
+        """This machine's device class, where the tuner's measurements belong."""
+        return local_facts().fingerprint
+
     def stats(self) -> dict[str, int]:
         return dict(self.counts)
 
@@ -98,28 +108,25 @@ class DatabaseProfileStore:
         return Estimate(seconds, MEASURED)
 
     def schedules(self, graph: Graph, op_ids: Sequence[str]) -> list[tuple[dict[str, Any], float]]:
-        """The schedule-tuning lookup: every schedule of this kernel on the device class, with its
+        """The schedule-tuning lookup: every schedule of this kernel on this machine, with its
         median, best first (kiln.tune reads it)."""
         from kiln.signature import kernel_signature
 
-        if self.fingerprint is None:
-            return []
         with self.db.read() as s:
-            rows = profiles.schedules(s, self.fingerprint, kernel_signature(graph, op_ids))
+            rows = profiles.schedules(s, self._here(), kernel_signature(graph, op_ids))
         return [(schedule, median) for schedule, median, _source in rows]
 
     def record(self, graph: Graph, op_ids: Sequence[str], seconds: Sequence[float],
                source: str = MEASURED, schedule: dict[str, Any] | None = None,
                toolchain: str = "") -> None:
-        from kiln.profile.probe import make_probe
+        from kiln.signature import describe_block
 
-        if self.fingerprint is None:
-            raise profiles.ProfileError(f"no device class for target {self.target.name}")
         samples = [seconds] if isinstance(seconds, (int, float)) else list(seconds)
-        probe = make_probe(graph, op_ids)
-        profiles.record(self.db, self.fingerprint, [profiles.NewEntry(
-            probe.signature, canonical_json(schedule or {}), profiles.summarize(samples),
-            source=source, toolchain=toolchain, description=probe.description)])
+        description = canonical_json(describe_block(graph, op_ids))  # what kernel_signature hashes
+        signature = hashlib.sha256(description.encode("ascii")).hexdigest()
+        profiles.record(self.db, self._here(), [profiles.NewEntry(
+            signature, canonical_json(schedule or {}), profiles.summarize(samples),
+            source=source, toolchain=toolchain, description=description)])
 
     # --- measuring ------------------------------------------------------------------------------
     def _cost_model(self, graph: Graph, op_ids: Sequence[str], why: str) -> Estimate:

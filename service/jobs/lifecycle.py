@@ -20,7 +20,8 @@ from service.models.tables import ModelRecord
 from service.storage import Storage
 
 # Progress (0–100) when each compiler stage starts; 100 once the artifact is recorded.
-STAGE_PROGRESS = {"load": 0, "frontend": 5, "rewrite": 25, "plan": 30, "codegen": 45, "build": 70}
+STAGE_PROGRESS = {"load": 0, "frontend": 5, "rewrite": 25, "plan": 30, "tune": 35, "codegen": 45,
+                  "build": 70}
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,8 @@ class Claim:
     partitioner: str
     shapes: dict[str, list[int]] = field(default_factory=dict)
     rewrite: bool = True
+    tune: str = "off"
+    tune_budget_s: float | None = None
 
 
 def _fence(job_id: str, attempt: int):
@@ -61,7 +64,8 @@ def claim(db: Database, job_id: str, worker: str, stale_after: float,
         job.started_at = job.started_at or now
         job.stage, job.progress, job.stage_seconds, job.error = None, 0, {}, None
         return Claim(job.id, job.attempts, model.sha256, model.filename, job.target,
-                     job.partitioner, dict(job.shapes or {}), job.rewrite)
+                     job.partitioner, dict(job.shapes or {}), job.rewrite, job.tune or "off",
+                     job.tune_budget_s)
 
 
 def heartbeat(db: Database, job_id: str, attempt: int) -> bool:

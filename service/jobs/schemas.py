@@ -1,11 +1,13 @@
 from __future__ import annotations
 
+import math
 from datetime import datetime
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 JobState = Literal["queued", "running", "succeeded", "failed", "cancelled"]
+MAX_TUNE_BUDGET_S = 3600.0  # a job's tuning budget at most (the worker is held that long)
 
 
 class JobCreate(BaseModel):
@@ -13,7 +15,7 @@ class JobCreate(BaseModel):
 
     model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
         {"model_id": "3f2c…", "target": "host", "partitioner": "dnnfusion",
-         "shapes": {"input_ids": [1, 128]}}]})
+         "shapes": {"input_ids": [1, 128]}, "tune": "quick", "tune_budget_s": 30}]})
 
     model_id: str = Field(max_length=64)
     target: str = Field("host", description="one of kiln.target.TARGET_NAMES")
@@ -21,6 +23,11 @@ class JobCreate(BaseModel):
     shapes: dict[str, list[int]] = Field(default_factory=dict,
                                          description="values of the inputs' symbolic dimensions")
     rewrite: bool = Field(True, description="apply the math-property rewrites")
+    tune: str = Field("off", description="schedule tuning on the worker's CPU before code "
+                      "generation: one of kiln.tune.TUNE_MODES (off, quick, full)")
+    tune_budget_s: float | None = Field(None, description="seconds for tuning, at most "
+                                        f"{MAX_TUNE_BUDGET_S:g} (default: kiln.tune."
+                                        "DEFAULT_BUDGET_S of the mode)")
 
     @field_validator("target")
     @classmethod
@@ -39,6 +46,31 @@ class JobCreate(BaseModel):
         names = partitioner_names()
         if value not in names:
             raise ValueError(f"unknown partitioner {value!r}; choose one of {', '.join(names)}")
+        return value
+
+    @field_validator("tune")
+    @classmethod
+    def _known_tune_mode(cls, value: str) -> str:
+        from kiln.tune import TUNE_MODES
+
+        if value not in TUNE_MODES:
+            raise ValueError(f"unknown tuning mode {value!r}; choose one of "
+                             f"{', '.join(TUNE_MODES)}")
+        return value
+
+    @field_validator("tune_budget_s", mode="before")
+    @classmethod
+    def _budget_not_bool(cls, value: Any) -> Any:
+        if isinstance(value, bool):  # pydantic would take true for 1.0
+            raise ValueError(f"the tuning budget must be a number of seconds, not {value!r}")
+        return value
+
+    @field_validator("tune_budget_s")
+    @classmethod
+    def _budget_in_range(cls, value: float | None) -> float | None:
+        if value is not None and not (math.isfinite(value) and 0 < value <= MAX_TUNE_BUDGET_S):
+            raise ValueError(f"the tuning budget must be a positive number of seconds, at most "
+                             f"{MAX_TUNE_BUDGET_S:g}, not {value!r}")
         return value
 
     @field_validator("shapes")
@@ -67,6 +99,8 @@ class JobOut(BaseModel):
     partitioner: str
     shapes: dict[str, list[int]]
     rewrite: bool
+    tune: str
+    tune_budget_s: float | None
     state: JobState
     stage: str | None = Field(description="the compiler stage running or last run")
     progress: int = Field(ge=0, le=100)

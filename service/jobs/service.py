@@ -40,7 +40,8 @@ def create(db: Database, tenant_id: str, request: JobCreate) -> Job:
     with db.write() as s:
         job = Job(tenant_id=tenant_id, model_id=model.id, target=request.target,
                   partitioner=request.partitioner, shapes=request.shapes, rewrite=request.rewrite,
-                  state=QUEUED, progress=0, stage_seconds={}, attempts=0, enqueued_at=utcnow())
+                  tune=request.tune, tune_budget_s=request.tune_budget_s, state=QUEUED,
+                  progress=0, stage_seconds={}, attempts=0, enqueued_at=utcnow())
         s.add(job)
     return job
 

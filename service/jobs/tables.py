@@ -3,7 +3,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Boolean, ForeignKey, Index, Integer, String, Text
+from sqlalchemy import JSON, BigInteger, Boolean, Float, ForeignKey, Index, Integer, String, Text
 from sqlalchemy.orm import Mapped, mapped_column
 
 from service.db import Base, UTCDateTime, new_id, utcnow
@@ -28,6 +28,10 @@ class Job(Base):
     partitioner: Mapped[str] = mapped_column(String(64))
     shapes: Mapped[dict[str, list[int]]] = mapped_column(JSON, default=dict)
     rewrite: Mapped[bool] = mapped_column(Boolean, default=True)
+    # Schedule tuning (kiln.tune): "off", "quick" or "full"; seconds, None for the mode's default.
+    # The server default gives rows from before migration 0003 "off".
+    tune: Mapped[str] = mapped_column(String(16), default="off", server_default="off")
+    tune_budget_s: Mapped[float | None] = mapped_column(Float, nullable=True)
 
     state: Mapped[str] = mapped_column(String(16), default=QUEUED)
     stage: Mapped[str | None] = mapped_column(String(32), nullable=True)

@@ -39,3 +39,64 @@ def test_alembic_command_line_check(database_url):
                               capture_output=True, text=True)
         assert done.returncode == 0, done.stderr
     assert "No new upgrade operations detected" in done.stdout + done.stderr
+
+
+def test_jobs_from_before_0003_read_as_untuned(database_url):
+    """0003 adds jobs.tune (existing rows: 'off') and jobs.tune_budget_s (NULL) in place: rows,
+    and the artifacts that reference them, survive the upgrade and the downgrade."""
+    import sqlalchemy as sa
+    from alembic import command
+
+    from service.db import UTCDateTime, utcnow
+    from service.jobs.tables import Artifact, Job
+    from service.migrate import alembic_config
+    from service.models.tables import ModelRecord
+    from service.tenants.tables import Tenant
+
+    upgrade(database_url, "0002")
+    jobs_0002 = sa.table("jobs", *(sa.column(c) for c in (  # the columns a 0002 job needs
+        "id", "tenant_id", "model_id", "target", "partitioner", "rewrite", "state", "progress",
+        "attempts")), sa.column("shapes", sa.JSON()), sa.column("stage_seconds", sa.JSON()),
+        sa.column("created_at", UTCDateTime()))
+    db = Database(database_url)
+    with db.write() as s:
+        s.add(Tenant(id="t1", name="acme"))
+        s.flush()
+        s.add(ModelRecord(id="m1", tenant_id="t1", sha256="0" * 64, size_bytes=1,
+                          filename="m.onnx", opset=14, inputs=[]))
+        s.flush()
+        s.execute(sa.insert(jobs_0002).values(
+            id="j1", tenant_id="t1", model_id="m1", target="host", partitioner="dnnfusion",
+            shapes={}, rewrite=True, state="succeeded", progress=100, stage_seconds={},
+            attempts=1, created_at=utcnow()))
+        s.add(Artifact(id="a1", job_id="j1", tenant_id="t1", path="artifacts/j1.kiln",
+                       sha256="1" * 64, size_bytes=1))
+    db.dispose()
+
+    upgrade(database_url)
+    check(database_url)
+    db = Database(database_url)
+    with db.read() as s:
+        job = s.get(Job, "j1")
+        assert (job.tune, job.tune_budget_s, job.state) == ("off", None, "succeeded")
+        assert s.get(Artifact, "a1") is not None
+    with db.write() as s:  # a new job may leave tune to the server default, or set it
+        s.execute(sa.insert(jobs_0002).values(
+            id="j2", tenant_id="t1", model_id="m1", target="host", partitioner="dnnfusion",
+            shapes={}, rewrite=True, state="queued", progress=0, stage_seconds={},
+            attempts=0, created_at=utcnow()))
+        s.add(Job(id="j3", tenant_id="t1", model_id="m1", target="host", partitioner="dnnfusion",
+                  tune="full", tune_budget_s=12.5))
+    with db.read() as s:
+        assert s.get(Job, "j2").tune == "off"
+        assert (s.get(Job, "j3").tune, s.get(Job, "j3").tune_budget_s) == ("full", 12.5)
+    db.dispose()
+
+    command.downgrade(alembic_config(database_url), "0002")
+    db = Database(database_url)
+    assert {c["name"] for c in inspect(db.engine).get_columns("jobs")}.isdisjoint(
+        {"tune", "tune_budget_s"})
+    with db.read() as s:
+        assert s.scalar(sa.select(sa.func.count()).select_from(jobs_0002)) == 3
+        assert s.scalar(sa.select(sa.func.count()).select_from(sa.table("artifacts"))) == 1
+    db.dispose()
