@@ -35,8 +35,13 @@ def canonical_json(value: Any) -> str:
 
 def kernel_signature(graph: Graph, op_ids: Sequence[str]) -> str:
     """sha256 hex of the canonical description of the block `op_ids` of `graph`."""
+    return signed_description(graph, op_ids)[0]
+
+
+def signed_description(graph: Graph, op_ids: Sequence[str]) -> tuple[str, str]:
+    """(`kernel_signature`, the canonical JSON it hashes) of the block `op_ids` of `graph`."""
     text = canonical_json(describe_block(graph, op_ids))
-    return hashlib.sha256(text.encode("ascii")).hexdigest()
+    return hashlib.sha256(text.encode("ascii")).hexdigest(), text
 
 
 def block_ops(graph: Graph, op_ids: Sequence[str]) -> list[Op]:

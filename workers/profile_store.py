@@ -25,7 +25,6 @@ of that architecture (and does not fail when no such device is online).
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import tempfile
 import time
@@ -119,11 +118,10 @@ class DatabaseProfileStore:
     def record(self, graph: Graph, op_ids: Sequence[str], seconds: Sequence[float],
                source: str = MEASURED, schedule: dict[str, Any] | None = None,
                toolchain: str = "") -> None:
-        from kiln.signature import describe_block
+        from kiln.signature import signed_description
 
         samples = [seconds] if isinstance(seconds, (int, float)) else list(seconds)
-        description = canonical_json(describe_block(graph, op_ids))  # what kernel_signature hashes
-        signature = hashlib.sha256(description.encode("ascii")).hexdigest()
+        signature, description = signed_description(graph, op_ids)
         profiles.record(self.db, self._here(), [profiles.NewEntry(
             signature, canonical_json(schedule or {}), profiles.summarize(samples),
             source=source, toolchain=toolchain, description=description)])
