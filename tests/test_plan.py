@@ -200,6 +200,21 @@ def test_a_contraction_result_read_elsewhere_keeps_its_prologue():
     assert op_types(plan) == [["Conv"], ["Sigmoid", "Mul", "Conv", "Relu"], ["Conv"]]
 
 
+def test_a_residual_add_of_two_convolutions_ends_the_later_one():
+    # ResNet's downsampling block: y = Relu(Conv_a(x) + Conv_b(x)) feeding a 1×1 Conv.
+    shapes = {"x": (1, 8, 40, 40), "wa": (16, 8, 1, 1), "wb": (16, 8, 1, 1), "wc": (8, 16, 1, 1),
+              "a": (1, 16, 40, 40), "b": (1, 16, 40, 40), "s": (1, 16, 40, 40), "r": (1, 16, 40, 40),
+              "y": (1, 8, 40, 40)}
+    constants = {w: np.ones(shapes[w], np.float32) for w in ("wa", "wb", "wc")}
+    graph = ecg([("Conv", ["x", "wa"], ["a"]), ("Conv", ["x", "wb"], ["b"]), ("Add", ["a", "b"], ["s"]),
+                 ("Relu", ["s"], ["r"]), ("Conv", ["r", "wc"], ["y"])], shapes, ["x"], ["y"], constants)
+    assert op_types(DNNFusion(Constraints(prefer_epilogues=False))(graph, RandomLatencies(0))) == [
+        ["Conv"], ["Conv"], ["Add", "Relu", "Conv"]]
+    plan = partitioner("dnnfusion")(graph, RandomLatencies(0))
+    assert op_types(plan) == [["Conv"], ["Conv", "Add", "Relu"], ["Conv"]]
+    assert block_dag_is_acyclic(plan)
+
+
 def test_baselines_on_the_feed_forward_graph():
     graph = bias_gelu_graph()
     assert partitioner("none")(graph, RandomLatencies(0)).kernels == 8

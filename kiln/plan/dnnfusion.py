@@ -252,26 +252,53 @@ class _Planning:
         element, in registers. Any mapping type followed by One-to-One is green in Table 3."""
         moved = True
         while moved:
-            moved = any(self.move_prologue(group, producer, ops)
+            moved = any(self.move_prologue(group, target, ops)
                         for group in range(len(self.groups))
-                        for producer, ops in self.prologues(group).items())
+                        for target, ops in self.prologues(group).items())
 
     def prologues(self, group: int) -> dict[int, list[Op]]:
-        """By producing block: the One-to-One ops of `group` that read only that block's
-        results (and each other's and constants), when that block is a single contraction's."""
+        """By target block: the One-to-One ops of `group` that read only results of other
+        blocks (or of each other, and constants), at least one of them a contraction's block,
+        which becomes the target (the latest such, for a residual Add of two convolutions'
+        results). The other blocks read must not depend on the target."""
         graph, found = self.graph, {}
-        source_of: dict[str, int] = {}
+        target_of: dict[str, int] = {}
         members = sorted(self.groups[group], key=graph.order.__getitem__)
         for op in (graph.op_by_id[i] for i in members):
             if op.mapping != MappingType.ONE_TO_ONE or _is_opaque(op):
                 continue
-            sources = {source_of.get(p.id, self.group_of[p.id])
-                       for p in map(graph.producer, graph.activation_inputs(op)) if p is not None}
-            if len(sources) != 1 or group in sources or not self.is_contraction_block(*sources):
+            producers = [p for p in map(graph.producer, graph.activation_inputs(op)) if p is not None]
+            sources = {target_of.get(p.id, self.group_of[p.id]) for p in producers}
+            chained = {target_of[p.id] for p in producers if p.id in target_of}
+            if group in sources or len(chained) > 1:
                 continue
-            source_of[op.id] = sources.pop()
-            found.setdefault(source_of[op.id], []).append(op)
+            if chained:
+                target = chained.pop()
+            else:
+                heavy = [p for p in producers if self.is_contraction_block(self.group_of[p.id])]
+                if not heavy:
+                    continue
+                target = self.group_of[max(heavy, key=lambda p: graph.order[p.id]).id]
+            if self.reaches(target, sources - {target}):
+                continue
+            target_of[op.id] = target
+            found.setdefault(target, []).append(op)
         return found
+
+    def reaches(self, group: int, others: set[int]) -> bool:
+        """Does any op of `others` depend on an op of `group`?"""
+        if not others:
+            return False
+        graph, seen = self.graph, set(self.groups[group])
+        stack = list(seen)
+        while stack:
+            for nxt in graph.successors(graph.op_by_id[stack.pop()]):
+                if nxt.id not in seen:
+                    if self.group_of[nxt.id] in others:
+                        return True
+                    seen.add(nxt.id)
+                    stack.append(nxt.id)
+        return False
 
     def is_contraction_block(self, group: int) -> bool:
         ops = [self.graph.op_by_id[i] for i in self.groups[group]]
@@ -279,11 +306,11 @@ class _Planning:
         return (len(heavy) == 1 and heavy[0].compute_intensive
                 and not any(_is_opaque(op) for op in ops))
 
-    def move_prologue(self, group: int, producer: int, ops: list[Op]) -> bool:
-        """Moves `ops` from `group` to `producer` if the tensors they read from it are read by
+    def move_prologue(self, group: int, into: int, ops: list[Op]) -> bool:
+        """Moves `ops` from `group` to block `into` if the tensors they read from it are read by
         nothing else and the grown block keeps within the constraints."""
         graph, moving = self.graph, {op.id for op in ops}
-        target = self.groups[producer]
+        target = self.groups[into]
         read = {t for op in ops for t in graph.activation_inputs(op)
                 if (p := graph.producer(t)) is not None and p.id in target}
         if any(t in graph.outputs or any(c.id not in target | moving for c in graph.consumers(t))
@@ -296,7 +323,7 @@ class _Planning:
                            for op in ops]
         self.groups[group] -= moving
         target |= moving
-        self.group_of.update((op_id, producer) for op_id in moving)
+        self.group_of.update((op_id, into) for op_id in moving)
         return True
 
     # Legality ----------------------------------------------------------------------------
