@@ -180,8 +180,10 @@ def numpy_call(case: Case, feeds: dict, consts: dict):
     return call
 
 
-BLOCK = 4  # timed calls per contender and round
-MAX_ROUNDS = 50
+BLOCK = 6  # timed calls per contender and round
+MAX_ROUNDS = 20
+SETTLE_S = 0.15  # pause before each block: longer than OpenBLAS's workers busy-wait (~0.1 s)
+WARM_S = 0.02  # untimed calls at the start of each block: at least 3, for at least this long
 
 
 def measure(calls: dict, seconds: float) -> dict[str, tuple[float, float]]:
@@ -198,11 +200,17 @@ def measure(calls: dict, seconds: float) -> dict[str, tuple[float, float]]:
     times: dict[str, list[float]] = {name: [] for name in calls}
     names = list(calls)
     for r in range(rounds):
-        # Blocks of back-to-back calls, in an order that rotates each round. A block's first
-        # call is not timed: it overlaps the other side's thread pool still spinning (OpenBLAS's
-        # workers busy-wait for up to ~0.1 s after a call) or its own waking from sleep.
+        # Blocks of back-to-back calls, in an order that rotates each round. Each block starts
+        # after a pause, so the other side's thread pool is no longer spinning (OpenBLAS's
+        # workers busy-wait for up to ~0.1 s after a call, libgomp's for ~10 ms), and its first
+        # few milliseconds are not timed: on a VM the first calls after an idle pause run
+        # several times slower while the sleeping threads' virtual CPUs come back.
         for name in names[r % len(names):] + names[:r % len(names)]:
-            calls[name]()
+            time.sleep(SETTLE_S)
+            warm_until, warm_calls = time.perf_counter() + WARM_S, 0
+            while warm_calls < 3 or time.perf_counter() < warm_until:
+                calls[name]()
+                warm_calls += 1
             for _ in range(BLOCK):
                 start = time.perf_counter()
                 calls[name]()
