@@ -33,6 +33,7 @@ from kiln.runtime.loader import CompiledModel
 
 PARTITIONERS = ("dnnfusion", "none")
 SETTLE_S = 0.05  # pause before each timed call, so no thread pool is still spinning from the last
+WARM_S = 0.02  # untimed calls (at least one) after the pause, for at least this long
 
 
 def ort_session(path: Path, threads: int) -> ort.InferenceSession:
@@ -76,7 +77,9 @@ def interleaved_medians(calls: dict[str, Callable], rounds: int, warmup: int,
                         settle_s: float = SETTLE_S) -> dict[str, float]:
     """Medians over rounds of one call each. The order rotates every round and each timed call
     starts after a pause: a thread pool spins for a while after its call returns (onnxruntime's
-    and OpenMP's both do), and whoever always ran next would pay for it."""
+    and OpenMP's both do), and whoever always ran next would pay for it. After the pause come
+    untimed calls for `WARM_S`: on a VM the first calls after an idle pause run several times
+    slower while the sleeping threads' virtual CPUs come back."""
     for _ in range(warmup):
         for call in calls.values():
             call()
@@ -85,6 +88,10 @@ def interleaved_medians(calls: dict[str, Callable], rounds: int, warmup: int,
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
             time.sleep(settle_s)
+            warm_until = time.perf_counter() + WARM_S
+            calls[name]()
+            while time.perf_counter() < warm_until:
+                calls[name]()
             start = time.perf_counter()
             calls[name]()
             times[name].append(time.perf_counter() - start)
