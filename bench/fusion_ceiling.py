@@ -22,15 +22,13 @@ import argparse
 import math
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.zoo import MODELS, ensure_model, make_inputs  # noqa: E402
+from bench.latency import zoo_artifact  # noqa: E402
+from bench.zoo import MODELS, make_inputs  # noqa: E402
 from kiln.ops import op_info  # noqa: E402
-from kiln.pipeline import CompileOptions, compile_artifact  # noqa: E402
-from kiln.profile.local import default_store  # noqa: E402
 from kiln.runtime.artifact import open_artifact  # noqa: E402
 from kiln.runtime.execute import run_runner  # noqa: E402
 
@@ -51,16 +49,11 @@ def split_ms(timing: dict, plan: dict) -> tuple[float, float, float]:
 
 
 def measure(name: str, work: Path, runs: int, threads: int) -> dict[str, tuple[float, float, float]]:
-    path, inputs = ensure_model(name), make_inputs(name)
+    inputs = make_inputs(name)
     artifacts = {}
     for partitioner in PARTITIONERS:
-        out = work / f"{name}-{partitioner}.kiln"
-        if not out.exists():
-            start = time.perf_counter()
-            compile_artifact(path, out, CompileOptions(partitioner=partitioner), default_store())
-            print(f"  compiled {name} with {partitioner} in {time.perf_counter() - start:.1f} s",
-                  file=sys.stderr)
-        artifacts[partitioner] = open_artifact(out, work / "extracted" / f"{name}-{partitioner}")
+        out = zoo_artifact(name, partitioner, work)
+        artifacts[partitioner] = open_artifact(out, work / "extracted" / out.stem)
     splits: dict[str, list[tuple[float, float, float]]] = {p: [] for p in PARTITIONERS}
     for half in range(2):  # two alternating halves, so drift on the machine hits both builds
         for partitioner in PARTITIONERS if half == 0 else PARTITIONERS[::-1]:

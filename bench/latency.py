@@ -7,7 +7,7 @@ in-process through the loader. Prints median milliseconds and the ratios artifac
 none/dnnfusion, and each artifact's max |diff| against onnxruntime. The order of the three rotates
 each round, and each timed call starts after a short pause (see `interleaved_medians`).
 
-    python bench/latency.py [--models bert-base,resnet50] [--rounds 20] [--threads 2]
+    python bench/latency.py [--models bert-base,resnet50] [--rounds 20] [--threads 2] [--keep DIR]
 """
 from __future__ import annotations
 
@@ -45,6 +45,19 @@ def ort_session(path: Path, threads: int) -> ort.InferenceSession:
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
+def zoo_artifact(name: str, partitioner: str, work: Path) -> Path:
+    """The full-size zoo model `name` compiled with `partitioner` into `work` (kept there and
+    reused by later runs given the same folder)."""
+    out = work / f"{name}-{partitioner}.kiln"
+    if not out.exists():
+        start = time.perf_counter()
+        compile_artifact(ensure_model(name), out, CompileOptions(partitioner=partitioner),
+                         default_store())
+        print(f"  compiled {name} with {partitioner} in {time.perf_counter() - start:.1f} s",
+              file=sys.stderr)
+    return out
+
+
 def contenders(name: str, threads: int, work: Path) -> tuple[dict[str, Callable], dict[str, str]]:
     """Callables running one inference each (by contender name), and compile failures."""
     path = ensure_model(name)
@@ -53,13 +66,9 @@ def contenders(name: str, threads: int, work: Path) -> tuple[dict[str, Callable]
     calls: dict[str, Callable] = {"ort": lambda: session.run(None, inputs)}
     failures = {}
     for partitioner in PARTITIONERS:
-        out = work / f"{name}-{partitioner}.kiln"
         try:
-            start = time.perf_counter()
-            compile_artifact(path, out, CompileOptions(partitioner=partitioner), default_store())
-            print(f"  compiled {name} with {partitioner} in {time.perf_counter() - start:.1f} s",
-                  file=sys.stderr)
-            model = CompiledModel(open_artifact(out, work / "extracted"), threads)
+            out = zoo_artifact(name, partitioner, work)
+            model = CompiledModel(open_artifact(out, work / "extracted" / out.stem), threads)
         except KilnError as exc:
             failures[partitioner] = str(exc).splitlines()[0]
             continue
@@ -108,13 +117,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--keep", type=Path, help="compile into (and reuse artifacts from) DIR")
     args = parser.parse_args(argv)
     header = (f"{'model':16s} {'dnnfusion ms':>12s} {'none ms':>10s} {'ort ms':>10s} "
               f"{'dnnf/ort':>9s} {'none/ort':>9s} {'none/dnnf':>9s} {'max|diff| dnnf':>14s}")
     rows, notes = [], []
     with tempfile.TemporaryDirectory(prefix="kiln-latency-") as tmp:
+        work = args.keep or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
         for name in args.models.split(","):
-            calls, failures = contenders(name, args.threads, Path(tmp))
+            calls, failures = contenders(name, args.threads, work)
             notes += [f"{name} [{p}]: {reason}" for p, reason in failures.items()]
             diffs = max_diff(calls)
             ms = interleaved_medians(calls, args.rounds, args.warmup)
