@@ -21,13 +21,12 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.latency import zoo_artifact  # noqa: E402
-from bench.zoo import MODELS, make_inputs  # noqa: E402
+from bench.latency import work_folder, zoo_arguments, zoo_artifact  # noqa: E402
+from bench.zoo import make_inputs  # noqa: E402
 from kiln.ops import op_info  # noqa: E402
 from kiln.runtime.artifact import open_artifact  # noqa: E402
 from kiln.runtime.execute import run_runner  # noqa: E402
@@ -68,18 +67,13 @@ def geomean(values: list[float]) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=",".join(MODELS))
+    parser = zoo_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     parser.add_argument("--runs", type=int, default=20)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--keep", type=Path, help="compile into (and reuse artifacts from) DIR")
     args = parser.parse_args(argv)
     header = (f"{'model':16s} {'none ms':>8s} {'CIL ms':>8s} {'MIL ms':>8s} {'MIL%':>5s} | "
               f"{'dnnf ms':>8s} {'CIL ms':>8s} {'MIL ms':>8s} | {'none/dnnf':>9s} {'ceiling':>8s}")
     rows, measured, ceilings = [], [], []
-    with tempfile.TemporaryDirectory(prefix="kiln-ceiling-") as tmp:
-        work = args.keep or Path(tmp)
-        work.mkdir(parents=True, exist_ok=True)
+    with work_folder(args.keep, "kiln-ceiling-") as work:
         for name in args.models.split(","):
             got = measure(name, work, args.runs, args.threads)
             (none, none_ci, none_mi), (dnnf, dnnf_ci, dnnf_mi) = got["none"], got["dnnfusion"]

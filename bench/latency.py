@@ -16,7 +16,8 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +44,17 @@ def ort_session(path: Path, threads: int) -> ort.InferenceSession:
     options.inter_op_num_threads = 1
     options.log_severity_level = 3
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+@contextmanager
+def work_folder(keep: Path | None, prefix: str) -> Iterator[Path]:
+    """`keep` (created if missing), or else a temporary folder removed afterwards."""
+    if keep is not None:
+        keep.mkdir(parents=True, exist_ok=True)
+        yield keep
+        return
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        yield Path(tmp)
 
 
 def zoo_artifact(name: str, partitioner: str, work: Path) -> Path:
@@ -111,20 +123,23 @@ def ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:.2f}" if a and b else "-"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def zoo_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The options every zoo benchmark that compiles artifacts takes."""
     parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument("--rounds", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--keep", type=Path, help="compile into (and reuse artifacts from) DIR")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = zoo_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
     args = parser.parse_args(argv)
     header = (f"{'model':16s} {'dnnfusion ms':>12s} {'none ms':>10s} {'ort ms':>10s} "
               f"{'dnnf/ort':>9s} {'none/ort':>9s} {'none/dnnf':>9s} {'max|diff| dnnf':>14s}")
     rows, notes = [], []
-    with tempfile.TemporaryDirectory(prefix="kiln-latency-") as tmp:
-        work = args.keep or Path(tmp)
-        work.mkdir(parents=True, exist_ok=True)
+    with work_folder(args.keep, "kiln-latency-") as work:
         for name in args.models.split(","):
             calls, failures = contenders(name, args.threads, work)
             notes += [f"{name} [{p}]: {reason}" for p, reason in failures.items()]
