@@ -248,6 +248,14 @@ class StageCtx(OpAccess):
     def stage(self, comment: str, body: list[ir.Stmt], work: int) -> None:
         self.low.add_stage(comment, body, work)
 
+    def attach_info(self) -> None:
+        """Attach the schedule details recorded so far to the last stage added (the lowering
+        adds its anchor's details to its last stage; one that adds stages after a contraction
+        calls this first, so the GEMM's details stay with the GEMM's stage)."""
+        if self.info:
+            self.low.stage_info[-1].update(self.info)
+            self.info.clear()
+
     # results
     def results(self, values: dict[int, tuple[Index, Expr]]) -> list[ir.Stmt]:
         """Statements that take the op's result elements (output position → index, value): store
@@ -606,8 +614,7 @@ class BlockLowering:
         fused = self._epilogue_candidates(op)
         ctx = StageCtx(self, op, fused)
         lowering(op.op_type).lower(ctx)
-        if ctx.info:
-            self.stage_info[-1].update(ctx.info)
+        ctx.attach_info()
         self.assigned |= {t for t in op.outputs if t in self.must_store}
         self._mark_ready()
 

@@ -168,3 +168,18 @@ def test_blocking_keeps_threads_busy_and_blocks_even():
     assert -(-128 // b.mc) * -(-768 // b.nc) >= 8
     assert 128 - (-(-128 // b.mc) - 1) * b.mc >= b.mc // 2  # no thin leftover row block
     assert blocking(1000, 64, 1000, 1, uk, 96, 256, 256).kc == 250
+
+
+def test_recurrent_input_projection_records_its_gemm_on_its_own_stage():
+    seq, batch, features, hidden = 5, 2, 6, 4
+    rng = np.random.default_rng(4)
+    spec = {"x": ((seq, batch, features), "float32")}
+    weights = {"w": rng.standard_normal((1, 4 * hidden, features)).astype(np.float32),
+               "r": rng.standard_normal((1, 4 * hidden, hidden)).astype(np.float32)}
+    m = model([helper.make_node("LSTM", ["x", "w", "r"], ["y"], hidden_size=hidden)],
+              spec, ["y"], weights)
+    kernels = run_with(m, spec, Schedule())
+    stages = kernels[0].schedule["stages"]
+    packed = [s for s in stages if s.get("form") == "packed"]
+    assert [s["stage"] for s in packed] == ["contraction LSTM (op0), packed GEMM"]
+    assert not any("micro_kernel" in s for s in stages if s["stage"].startswith("LSTM"))

@@ -171,6 +171,7 @@ def _direction(ctx: StageCtx, r: Recurrence, d: int, backwards: bool,
         lambda _, i, g: ctx.operand(1, Index(w_shape, dims=[iconst(d), g, i])),
         lambda _, tb, g: Index((r.seq * r.batch, rows), dims=[tb, g]), finish, dtype,
         store=lambda _, tb, g, value: [ir.Store(xw, add(mul(tb, rows), g), value)]))
+    ctx.attach_info()
 
     # states
     h_state = ctx.scratch(dtype, r.batch * hidden)
