@@ -168,6 +168,10 @@ def test_blocking_keeps_threads_busy_and_blocks_even():
     assert -(-128 // b.mc) * -(-768 // b.nc) >= 8
     assert 128 - (-(-128 // b.mc) - 1) * b.mc >= b.mc // 2  # no thin leftover row block
     assert blocking(1000, 64, 1000, 1, uk, 96, 256, 256).kc == 250
+    # a late convolution (512 output channels, 7×7 pixels): split along M, so the 9 MB of
+    # weights are read once and only the small im2col operand is shared between tasks
+    late = blocking(512, 49, 4608, 1, uk, 96, 256, 256)
+    assert late.nc >= 49 and -(-512 // late.mc) >= 8
 
 
 def test_recurrent_input_projection_records_its_gemm_on_its_own_stage():
