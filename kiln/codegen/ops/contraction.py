@@ -164,31 +164,25 @@ def blocking(m: int, n: int, k: int, batch: int, uk: MicroKernel, mc: int, nc: i
              kc: int, min_tasks: int = 8) -> Blocking:
     """Cache blocks of whole micro-tiles, split evenly (no thin leftover block), and enough
     parallel tasks (blocks × batch) to keep `min_tasks` threads' worth of work queued. Each
-    extra block along N re-reads all of A, and each along M all of B, so blocks are split
-    along the axis whose re-read operand is the smaller: N first when M ≤ N (a transformer's
-    activations times its weights), M first when M > N (a late convolution's weights times a
-    7×7 image, where A is megabytes and B fits in L2)."""
+    block along N reads all of A and each block along M all of B, so every halving goes to the
+    axis that adds the fewer re-read elements: N for a transformer's activations times its
+    weights, M for a late convolution's weights (megabytes) times a 7×7 image."""
     def even(total: int, limit: int, unit: int) -> int:
         parts = -(-total // max(limit, unit))
         return _round_up(-(-total // parts), unit)
 
-    def tasks() -> int:
-        return batch * -(-m // mc) * -(-n // nc)
-
-    def split_n() -> None:
-        nonlocal nc
-        while tasks() < min_tasks and nc > uk.nr:
-            nc = _round_up(nc // 2, uk.nr)
-
-    def split_m() -> None:
-        nonlocal mc
-        while tasks() < min_tasks and mc > uk.mr:
-            mc = _round_up(mc // 2, uk.mr)
+    def halved(size: int, unit: int) -> int:
+        return _round_up(size // 2, unit)
 
     kc = -(-k // -(-k // max(kc, 1)))
     mc, nc = even(m, mc, uk.mr), even(n, nc, uk.nr)
-    for split in ((split_m, split_n) if m > n else (split_n, split_m)):
-        split()
+    while batch * -(-m // mc) * -(-n // nc) < min_tasks and (mc > uk.mr or nc > uk.nr):
+        more_rows = -(-m // halved(mc, uk.mr)) - -(-m // mc) if mc > uk.mr else math.inf
+        more_cols = -(-n // halved(nc, uk.nr)) - -(-n // nc) if nc > uk.nr else math.inf
+        if more_rows * n < more_cols * m:  # extra row blocks re-read B (k × n), columns A (m × k)
+            mc = halved(mc, uk.mr)
+        else:
+            nc = halved(nc, uk.nr)
     return Blocking(mc, nc, kc)
 
 
