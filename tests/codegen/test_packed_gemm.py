@@ -172,6 +172,9 @@ def test_blocking_keeps_threads_busy_and_blocks_even():
     # weights are read once and only the small im2col operand is shared between tasks
     late = blocking(512, 49, 4608, 1, uk, 96, 256, 256)
     assert late.nc >= 49 and -(-512 // late.mc) >= 8
+    # 256 channels at 14×14: A and B are alike, so neither is re-read by many blocks
+    mid = blocking(256, 196, 2304, 1, uk, 96, 256, 256)
+    assert -(-256 // mid.mc) <= 4 and -(-196 // mid.nc) <= 4
 
 
 def test_recurrent_input_projection_records_its_gemm_on_its_own_stage():
