@@ -64,7 +64,7 @@ class DatabaseProfileStore:
 
     def _device_class(self) -> str | None:
         if self.local:
-            return local_facts().fingerprint
+            return self._here()
         online = devices.online_devices(self.db, arch=self.target.arch)
         return online[0].fingerprint if online else None
 

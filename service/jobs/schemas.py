@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import math
 from datetime import datetime
 from typing import Any, Literal
 
@@ -51,12 +50,12 @@ class JobCreate(BaseModel):
     @field_validator("tune")
     @classmethod
     def _known_tune_mode(cls, value: str) -> str:
-        from kiln.tune import TUNE_MODES
+        from kiln.tune import TuneError, check_mode
 
-        if value not in TUNE_MODES:
-            raise ValueError(f"unknown tuning mode {value!r}; choose one of "
-                             f"{', '.join(TUNE_MODES)}")
-        return value
+        try:
+            return check_mode(value)
+        except TuneError as exc:
+            raise ValueError(str(exc)) from None
 
     @field_validator("tune_budget_s", mode="before")
     @classmethod
@@ -68,9 +67,15 @@ class JobCreate(BaseModel):
     @field_validator("tune_budget_s")
     @classmethod
     def _budget_in_range(cls, value: float | None) -> float | None:
-        if value is not None and not (math.isfinite(value) and 0 < value <= MAX_TUNE_BUDGET_S):
-            raise ValueError(f"the tuning budget must be a positive number of seconds, at most "
-                             f"{MAX_TUNE_BUDGET_S:g}, not {value!r}")
+        from kiln.tune import TuneError, check_budget
+
+        try:
+            value = check_budget(value)
+        except TuneError as exc:
+            raise ValueError(str(exc)) from None
+        if value is not None and value > MAX_TUNE_BUDGET_S:
+            raise ValueError(f"the tuning budget must be at most {MAX_TUNE_BUDGET_S:g} seconds, "
+                             f"not {value!r}")
         return value
 
     @field_validator("shapes")
