@@ -19,7 +19,7 @@ none/dnnfusion (end-to-end medians of the runner) and the ceiling, with geomeans
 from __future__ import annotations
 
 import argparse
-import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -62,10 +62,6 @@ def measure(name: str, work: Path, runs: int, threads: int) -> dict[str, tuple[f
     return {p: tuple(min(s[i] for s in got) for i in range(3)) for p, got in splits.items()}
 
 
-def geomean(values: list[float]) -> float:
-    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = zoo_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     parser.add_argument("--runs", type=int, default=20)
@@ -87,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.runs} runs; CIL = kernels holding a contraction, MIL = the rest")
     print(header)
     print("\n".join(rows))
-    print(f"geomean none/dnnfusion measured {geomean(measured):.2f}, "
-          f"ceiling (none / its CIL time) {geomean(ceilings):.2f}")
+    print(f"geomean none/dnnfusion measured {statistics.geometric_mean(measured):.2f}, "
+          f"ceiling (none / its CIL time) {statistics.geometric_mean(ceilings):.2f}")
     return 0
 
 

@@ -276,16 +276,12 @@ def main(argv: list[str] | None = None) -> int:
             compiled.close()
     for group, values in ratios.items():
         if values:
+            medians, best = (statistics.geometric_mean(v) for v in (values, best_ratios[group]))
             print(f"geomean kiln/numpy over {group} shapes ({len(values)}): "
-                  f"{_geomean(values):.2f} (medians), {_geomean(best_ratios[group]):.2f} "
-                  f"(best times)")
+                  f"{medians:.2f} (medians), {best:.2f} (best times)")
     for failure in failures:
         print(f"not compiled: {failure}")
     return 0
-
-
-def _geomean(values: list[float]) -> float:
-    return math.exp(statistics.fmean(math.log(v) for v in values))
 
 
 def _blas_name() -> str:
