@@ -32,7 +32,7 @@ from kiln import codegen, frontend
 from kiln.errors import KilnError, ShapeError
 from kiln.pipeline import CompileOptions, compile_artifact
 from kiln.profile.local import default_store
-from kiln.profile.machine import cache_dir
+from kiln.files import cache_dir
 from kiln.runtime.artifact import open_artifact
 from kiln.runtime.cli import compare
 from kiln.runtime.loader import CompiledModel

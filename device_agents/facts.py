@@ -25,7 +25,6 @@ import hashlib
 import io
 import json
 import re
-from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Annotated, Literal
 
@@ -38,42 +37,16 @@ from pydantic import (
     field_validator,
 )
 
+from kiln.cpuinfo import TEXT_LIMIT, isa_features, normalize_arch, parse_cpuinfo
+from kiln.cpuinfo import clean_text as _clean
+from kiln.cpuinfo import parse_int as _int
 from kiln.profile.machine import ISA_FEATURES, static_fingerprint
 
 FACTS_VERSION = 1
 DeviceKind = Literal["cpu", "phone", "gpu-host"]
 Transport = Literal["local", "ssh", "adb"]
-TEXT_LIMIT = 256  # longest text fact kept
 MAX_CPUS = 1024
 
-# x86 /proc/cpuinfo flag -> recorded ISA feature (the names Kiln's targets use).
-X86_ISA = {
-    "sse2": "sse2", "pni": "sse3", "ssse3": "ssse3", "sse4_1": "sse4_1", "sse4_2": "sse4_2",
-    "avx": "avx", "avx2": "avx2", "fma": "fma", "f16c": "f16c", "avx512f": "avx512f",
-    "avx512dq": "avx512dq", "avx512cd": "avx512cd", "avx512bw": "avx512bw",
-    "avx512vl": "avx512vl", "avx512_vnni": "avx512_vnni", "avx512_bf16": "avx512_bf16",
-    "avx512_fp16": "avx512_fp16", "avx_vnni": "avx_vnni", "amx_tile": "amx_tile",
-    "amx_bf16": "amx_bf16", "amx_int8": "amx_int8",
-}
-# Arm `Features` -> recorded ISA feature.
-ARM_ISA = {
-    "asimd": "neon", "neon": "neon", "fp": "fp", "asimdhp": "fp16", "asimddp": "dotprod",
-    "i8mm": "i8mm", "bf16": "bf16", "sve": "sve", "sve2": "sve2", "sme": "sme",
-    "atomics": "atomics", "crc32": "crc32", "aes": "aes", "sha2": "sha2", "vfpv4": "vfpv4",
-}
-ARM_IMPLEMENTERS = {0x41: "ARM", 0x42: "Broadcom", 0x48: "HiSilicon", 0x4E: "NVIDIA",
-                    0x51: "Qualcomm", 0x53: "Samsung", 0x61: "Apple", 0xC0: "Ampere"}
-ARM_PARTS = {  # (implementer, part) -> core name
-    (0x41, 0xD03): "Cortex-A53", (0x41, 0xD04): "Cortex-A35", (0x41, 0xD05): "Cortex-A55",
-    (0x41, 0xD07): "Cortex-A57", (0x41, 0xD08): "Cortex-A72", (0x41, 0xD09): "Cortex-A73",
-    (0x41, 0xD0A): "Cortex-A75", (0x41, 0xD0B): "Cortex-A76", (0x41, 0xD0C): "Neoverse-N1",
-    (0x41, 0xD0D): "Cortex-A77", (0x41, 0xD40): "Neoverse-V1", (0x41, 0xD41): "Cortex-A78",
-    (0x41, 0xD44): "Cortex-X1", (0x41, 0xD46): "Cortex-A510", (0x41, 0xD47): "Cortex-A710",
-    (0x41, 0xD48): "Cortex-X2", (0x41, 0xD49): "Neoverse-N2", (0x41, 0xD4D): "Cortex-A715",
-    (0x41, 0xD4E): "Cortex-X3", (0x41, 0xD4F): "Neoverse-V2", (0x41, 0xD80): "Cortex-A520",
-    (0x41, 0xD81): "Cortex-A720", (0x41, 0xD82): "Cortex-X4",
-}
-ARCH_ALIASES = {"arm64": "aarch64", "armv8l": "aarch64", "amd64": "x86_64"}
 ABI_ARCH = {"arm64-v8a": "aarch64", "armeabi-v7a": "armv7l", "x86_64": "x86_64", "x86": "i686"}
 
 
@@ -104,7 +77,7 @@ class HardwareFacts(BaseModel):
     l2_bytes: int | None = Field(None, ge=0)
     l3_bytes: int | None = Field(None, ge=0)
     isa: tuple[Annotated[str, StringConstraints(max_length=32)], ...] = Field(
-        (), max_length=128)  # sorted; names from X86_ISA / ARM_ISA values
+        (), max_length=128)  # sorted; names from kiln.cpuinfo's X86_ISA / ARM_ISA
     gpu_model: str | None = Field(None, max_length=TEXT_LIMIT)
     gpu_count: int = Field(0, ge=0, le=64)
     gpu_memory_mib: int | None = Field(None, ge=0)
@@ -146,97 +119,6 @@ class HardwareFacts(BaseModel):
 
 # ---------------------------------------------------------------------------------------------
 # Parsers: text -> dict of facts
-
-def _clean(text: str | None, limit: int = TEXT_LIMIT) -> str:
-    """One line of printable text, whitespace collapsed, at most `limit` characters."""
-    if not text:
-        return ""
-    printable = "".join(c if c.isprintable() else " " for c in text)
-    return " ".join(printable.split())[:limit]
-
-
-def _blocks(text: str) -> list[dict[str, str]]:
-    """`key : value` blocks separated by blank lines (the /proc/cpuinfo layout)."""
-    blocks: list[dict[str, str]] = []
-    current: dict[str, str] = {}
-    for line in text.splitlines():
-        if not line.strip():
-            if current:
-                blocks.append(current)
-                current = {}
-            continue
-        key, sep, value = line.partition(":")
-        if sep:
-            current.setdefault(key.strip().lower(), value.strip())
-    if current:
-        blocks.append(current)
-    return blocks
-
-
-def _int(text: str | None, base: int = 10) -> int | None:
-    try:
-        return int(text.strip(), base) if text is not None else None
-    except ValueError:
-        return None
-
-
-def parse_cpuinfo(text: str) -> dict:
-    """/proc/cpuinfo of x86 or Arm Linux: cpu_vendor, cpu_model, logical_cores, core_types, flags.
-
-    `flags` holds the raw feature names (x86 `flags`, Arm `Features`) of the first processor;
-    `isa_features` maps them to ISA features. Arm cores are named from (implementer, part); the
-    model is the `model name` (x86), else the `Hardware` line (older Arm kernels), else the core
-    types, e.g. "4x Cortex-A55 + 2x Cortex-A78 + 2x Cortex-X1".
-    """
-    blocks = _blocks(text)
-    processors = [b for b in blocks if "processor" in b and _int(b["processor"]) is not None]
-    extra: dict[str, str] = {}
-    for b in blocks:
-        if b not in processors:
-            extra.update(b)
-    first = processors[0] if processors else (blocks[0] if blocks else {})
-    flags = (first.get("flags") or first.get("features") or "").split()
-    vendor, model = first.get("vendor_id", ""), first.get("model name", "")
-    core_types: Counter[str] = Counter()
-    if "cpu implementer" in first:
-        for b in processors:
-            implementer, part = _int(b.get("cpu implementer"), 16), _int(b.get("cpu part"), 16)
-            if implementer is None or part is None:
-                continue
-            name = ARM_PARTS.get((implementer, part))
-            if name is None:
-                name = f"{ARM_IMPLEMENTERS.get(implementer, hex(implementer))} part {part:#x}"
-            core_types[name] += 1
-        implementers = {_int(b.get("cpu implementer"), 16) for b in processors}
-        vendor = vendor or "/".join(ARM_IMPLEMENTERS.get(i, hex(i)) for i in sorted(
-            i for i in implementers if i is not None))
-    hardware = extra.get("hardware") or first.get("hardware", "")
-    if not model and hardware:
-        model = hardware
-    if not model and core_types:
-        model = describe_core_types(core_types)
-    return {"cpu_vendor": _clean(vendor), "cpu_model": _clean(model),
-            "logical_cores": len(processors), "core_types": dict(core_types),
-            "flags": flags, "isa_features": isa_features(flags)}
-
-
-def describe_core_types(core_types: Mapping[str, int]) -> str:
-    """"4x Cortex-A55 + 2x Cortex-A78 + …" in /proc/cpuinfo's order of appearance."""
-    return " + ".join(f"{n}x {name}" for name, n in core_types.items())
-
-
-def isa_features(flags: Iterable[str], arch: str = "") -> tuple[str, ...]:
-    """Recorded ISA features of raw x86 flags or Arm features (`neon` on every aarch64 CPU)."""
-    found = {X86_ISA.get(f) or ARM_ISA.get(f) for f in flags} - {None}
-    if normalize_arch(arch) == "aarch64":
-        found.add("neon")  # Advanced SIMD is mandatory on aarch64
-    return tuple(sorted(found))  # type: ignore[arg-type]
-
-
-def normalize_arch(machine: str) -> str:
-    machine = machine.strip()
-    return ARCH_ALIASES.get(machine, machine)
-
 
 def parse_uname(text: str) -> dict:
     """`uname -a`: system, release, machine, and the line without the host name (`build`)."""

@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +41,7 @@ from device_agents.protocol import (
     KernelSamples,
     LatencySummary,
 )
+from kiln.files import write_atomic
 from kiln.runtime.artifact import RUNNER, WEIGHTS, Artifact
 from kiln.runtime.inputs import random_inputs
 
@@ -110,17 +110,6 @@ def _sha256_file(path: Path) -> str:
     return sha.hexdigest()
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
-
-
 def build_bundle(artifact: Artifact, cache_dir: str | Path, seed: int = 0) -> Bundle:
     """The bundle of `artifact`: its runner, weights and seeded random inputs (under cache_dir)."""
     folder = Path(cache_dir) / "inputs" / artifact.manifest["content_hash"] / str(seed)
@@ -137,7 +126,7 @@ def build_bundle(artifact: Artifact, cache_dir: str | Path, seed: int = 0) -> Bu
             with tempfile.TemporaryFile() as f:
                 np.save(f, array, allow_pickle=False)
                 f.seek(0)
-                _write_atomic(path, f.read())
+                write_atomic(path, f.read())
         files[name] = path
         hashes[name] = _sha256_file(path)
         names.append(name)

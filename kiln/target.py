@@ -4,8 +4,8 @@ from __future__ import annotations
 import platform
 from dataclasses import dataclass
 from functools import lru_cache
-from pathlib import Path
 
+from kiln.cpuinfo import host_cpuinfo
 from kiln.errors import KilnError
 
 TARGET_NAMES = ("host", "x86_64", "aarch64")
@@ -46,19 +46,8 @@ def target(name: str) -> Target:
 @lru_cache(maxsize=1)
 def host_target() -> Target:
     arch = platform.machine()
-    flags = _cpu_flags()
+    flags = set(host_cpuinfo()["flags"])
     if arch == "aarch64":
         return Target("host", arch, ("neon",), "gcc", ("-mcpu=native",))
     isa = tuple(f for f in ("avx512f", "avx2", "fma") if f in flags)
     return Target("host", arch, isa, "gcc", ("-march=native",))
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith(("flags", "Features")):
-            return set(line.split(":", 1)[1].split())
-    return set()

@@ -4,7 +4,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from kiln.profile.machine import cache_dir, host_machine
+from kiln.files import cache_dir
+from kiln.profile.machine import host_machine
 from kiln.profile.sqlite_store import SQLiteProfileStore
 
 

@@ -1,7 +1,7 @@
 """Facts about the machine kernels run on: what it is (static facts) and how fast it is (measured).
 
-Static facts — CPU model, logical cores, ISA features, cache sizes — come from /proc/cpuinfo and
-sysfs and make up the `fingerprint` that groups identical hardware in the profile database. Two
+Static facts — CPU model, logical cores, ISA features, cache sizes — come from /proc/cpuinfo
+(kiln.cpuinfo) and sysfs and make up the `fingerprint` that groups identical hardware in the profile database. Two
 figures are measured with numpy: peak GFLOP/s (float32 1024×1024 matmul through numpy's BLAS, all
 threads, best of a few runs) and memory bandwidth GB/s (float32 `add` of arrays larger than the
 last-level cache, counting two reads and one write, best of a few runs). Measuring takes well under
@@ -15,7 +15,6 @@ import hashlib
 import json
 import os
 import platform
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -23,6 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from kiln.cpuinfo import host_cpuinfo
+from kiln.files import cache_dir, write_atomic
 
 CACHE_VERSION = 1
 # ISA features recorded (x86 flag names; `neon` stands for Arm's Advanced SIMD, `asimd` on aarch64).
@@ -99,20 +101,6 @@ def _read(path: str | Path) -> str | None:
         return None
 
 
-def _cpuinfo() -> tuple[str, set[str]]:
-    """CPU model name and feature flags from /proc/cpuinfo (first processor block)."""
-    text = _read("/proc/cpuinfo") or ""
-    model, flags = "", set()
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        key = key.strip().lower()
-        if key in ("model name", "hardware", "cpu model") and not model:
-            model = value.strip()
-        elif key in ("flags", "features") and not flags:
-            flags = set(value.split())
-    return model, flags
-
-
 def _isa(flags: set[str], arch: str) -> tuple[str, ...]:
     found = {f for f in ISA_FEATURES if f in flags}
     if "asimd" in flags or arch in ("aarch64", "arm64"):  # Advanced SIMD is mandatory on aarch64
@@ -147,10 +135,11 @@ def _caches() -> tuple[int | None, int | None, int | None]:
 
 def static_facts() -> dict[str, Any]:
     """The static facts (no measurement) and their fingerprint."""
-    model, flags = _cpuinfo()
+    cpu = host_cpuinfo()
+    flags = set(cpu["flags"])
     arch = platform.machine() or "unknown"
     facts = {
-        "cpu_model": model or platform.processor() or arch,
+        "cpu_model": cpu["cpu_model"] or platform.processor() or arch,
         "logical_cores": os.cpu_count() or 1,
         "isa": _isa(flags, arch),
         "arch": arch,
@@ -198,30 +187,6 @@ def measure(l3_bytes: int | None = None) -> tuple[float, float]:
     return gflops, gbs
 
 
-# --- cache ----------------------------------------------------------------------------------
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("KILN_CACHE_DIR") or Path.home() / ".cache" / "kiln")
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write `text` to `path` through a temporary file in the same folder and a rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
 _memo: dict[Path, MachineFacts] = {}
 _lock = threading.Lock()
 
@@ -245,7 +210,7 @@ def host_machine(refresh: bool = False) -> MachineFacts:
             facts = MachineFacts(peak_gflops=gflops, bandwidth_gbs=gbs, **kwargs)
             try:
                 write_atomic(path, json.dumps({"version": CACHE_VERSION, "facts": facts.to_dict()},
-                                              indent=1, sort_keys=True))
+                                              indent=1, sort_keys=True), durable=True)
             except OSError:
                 pass
         _memo[path] = facts

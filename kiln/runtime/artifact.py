@@ -37,7 +37,7 @@ import kiln
 from kiln.codegen import Kernel
 from kiln.errors import KilnError
 from kiln.plan import FusionPlan
-from kiln.profile.machine import cache_dir
+from kiln.files import cache_dir, temporary_beside
 from kiln.runtime import driver
 from kiln.runtime.memory import MemoryPlan, plan_memory, weights_blob
 from kiln.runtime.toolchain import (
@@ -191,19 +191,14 @@ def _json(value: Any) -> bytes:
 
 
 def _write_zip(path: Path, members: dict[str, bytes]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f, zipfile.ZipFile(f, "w") as archive:
+    with temporary_beside(path) as tmp:
+        with zipfile.ZipFile(tmp, "w") as archive:
             for name, data in members.items():
                 info = zipfile.ZipInfo(name, date_time=(2020, 1, 1, 0, 0, 0))
                 info.compress_type = zipfile.ZIP_STORED if name == WEIGHTS else zipfile.ZIP_DEFLATED
                 info.external_attr = (0o755 if name in EXECUTABLES else 0o644) << 16
                 archive.writestr(info, data)
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,17 +12,15 @@ import json
 import os
 import shutil
 import subprocess
-import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
 from kiln.errors import KilnError
-from kiln.profile.machine import cache_dir
+from kiln.files import cache_dir, temporary_beside, write_atomic
 from kiln.target import Target
 
 BASE_FLAGS = ("-O3", "-fopenmp", "-fPIC", "-fno-math-errno")  # errno-free sqrt etc. vectorise
@@ -106,7 +104,7 @@ class BuildCache:
         obj = self._path(key)
         c_file = obj.with_suffix(".c")
         write_atomic(c_file, source.encode())
-        with _temporary(obj) as tmp:
+        with temporary_beside(obj) as tmp:
             run_tool([compiler.command, *compiler.flags, "-c", str(c_file), "-o", str(tmp)],
                      f"compiling {name}", deadline)
             os.replace(tmp, obj)
@@ -136,22 +134,3 @@ def run_tool(argv: Sequence[str], what: str, deadline: float | None = None) -> N
         lines = done.stderr.strip().splitlines()[:STDERR_LINES]
         raise ToolchainError(f"{what} failed ({Path(argv[0]).name} exit status "
                              f"{done.returncode}):\n" + "\n".join(lines))
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with _temporary(path) as tmp:
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-
-
-@contextmanager
-def _temporary(path: Path) -> Iterator[Path]:
-    """A fresh temporary path next to `path`, removed on exit unless it was renamed away."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        yield Path(name)
-    finally:
-        Path(name).unlink(missing_ok=True)

@@ -7,12 +7,13 @@ import subprocess
 import pytest
 
 from device_agents import facts as f
+from kiln.cpuinfo import parse_cpuinfo
 from kiln.profile.machine import static_facts
 from tests.device_agents import samples as s
 
 
 def test_x86_cpuinfo():
-    cpu = f.parse_cpuinfo(s.X86_CPUINFO)
+    cpu = parse_cpuinfo(s.X86_CPUINFO)
     assert cpu["cpu_vendor"] == "AuthenticAMD"
     assert cpu["cpu_model"] == "AMD EPYC"
     assert cpu["logical_cores"] == 2
@@ -22,7 +23,7 @@ def test_x86_cpuinfo():
 
 
 def test_arm64_cpuinfo_names_core_types():
-    cpu = f.parse_cpuinfo(s.ARM64_CPUINFO)
+    cpu = parse_cpuinfo(s.ARM64_CPUINFO)
     assert cpu["logical_cores"] == 8
     assert cpu["core_types"] == {"Cortex-A55": 4, "Cortex-A78": 2, "Cortex-X1": 2}
     assert cpu["cpu_model"] == "4x Cortex-A55 + 2x Cortex-A78 + 2x Cortex-X1"
@@ -34,7 +35,7 @@ def test_arm64_cpuinfo_names_core_types():
 def test_old_arm_kernel_hardware_line_and_unknown_part():
     text = ("processor\t: 0\nFeatures\t: fp asimd\nCPU implementer\t: 0x51\nCPU part\t: 0x805\n\n"
             "Hardware\t: Qualcomm Technologies, Inc SDM845\n")
-    cpu = f.parse_cpuinfo(text)
+    cpu = parse_cpuinfo(text)
     assert cpu["cpu_model"] == "Qualcomm Technologies, Inc SDM845"
     assert cpu["core_types"] == {"Qualcomm part 0x805": 1}
 
