@@ -12,7 +12,7 @@ lengths and batch sizes where the exported graph allows them), each under schedu
 (kiln.codegen.schedule.Schedule's fields halved, doubled or flipped, treated as an opaque dict;
 variants that give the same code are measured once; each artifact is also run on one thread,
 schedule `{"threads": 1}`, the key kiln.tune files thread counts under) — and packs them, many kernels per artifact,
-into measurement tasks (kiln.profile.probe); the agent claims, runs and uploads them; the service
+into measurement tasks (kiln.measure.probe); the agent claims, runs and uploads them; the service
 writes one entry per kernel. Entries already in the database or queued are skipped, so a stopped
 build resumes where it was. BERT-base's yellow lookups are closed first: its compile is repeated
 against the database until it asks for nothing unmeasured.
@@ -91,6 +91,7 @@ class Recorder:
         from kiln.profile.roofline import RooflineModel
 
         self.inner = inner or RooflineModel(host_machine())
+        self.fallback = self.inner.fallback
         self.asked: list[tuple[str, ...]] = []
 
     def latency(self, graph, op_ids):
@@ -99,6 +100,9 @@ class Recorder:
 
     def record(self, *args, **kwargs) -> None:
         pass
+
+    def schedules(self, graph, op_ids):
+        return []
 
 
 def with_dims(path: Path, dims: dict[str, list[int]]):
@@ -187,7 +191,7 @@ SHARD = (0, 1)  # (this producer, producers): each takes the signatures hashing 
 
 def probes_for(graph, op_ids, known: set, seen: set, variants: bool = True) -> list:
     """Probes of one block under its schedule variants, minus what is known or already seen."""
-    from kiln.profile.probe import ProbeError, make_probe
+    from kiln.measure.probe import ProbeError, make_probe
 
     try:
         base = make_probe(graph, op_ids)
@@ -330,6 +334,9 @@ def bert_closure(stack, fingerprint: str, runs: int) -> None:
         def record(self, *a, **k):
             pass
 
+        def schedules(self, graph, op_ids):
+            return []
+
     if not BERT.is_file():
         log(f"{BERT} is missing (python bench/zoo.py --size full); BERT-base closure skipped")
         return
@@ -359,7 +366,7 @@ def bert_closure(stack, fingerprint: str, runs: int) -> None:
 def produce(stack, fingerprint, sources, runs: int, batch: int, target_entries: int | None,
             with_variants: bool = True, max_outstanding: int = 3) -> None:
     """Turn (graph, [op_ids]) sources into measurement tasks; wait until they are measured."""
-    from kiln.profile.probe import ProbeError, build_probes, make_probe
+    from kiln.measure.probe import ProbeError, build_probes, make_probe
     from kiln.runtime.toolchain import BuildCache
     from kiln.target import target
     from service.profiles.measure import submit_probes

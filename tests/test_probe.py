@@ -6,7 +6,7 @@ import pytest
 
 from kiln.pipeline import CompileOptions, compile_model
 from kiln.profile.machine import host_machine
-from kiln.profile.probe import ProbeError, build_probes, make_probe
+from kiln.measure.probe import ProbeError, build_probes, make_probe
 from kiln.profile.roofline import RooflineModel
 from kiln.runtime.artifact import read_manifest
 from kiln.signature import kernel_signature
@@ -44,7 +44,7 @@ def test_probes_keep_their_signatures_and_share_an_artifact(tinybert, tmp_path):
 
 
 def test_large_float_constants_are_shared_and_small_ones_kept(tinybert):
-    from kiln.profile.probe import _Merger
+    from kiln.measure.probe import _Merger
 
     graph = tinybert.graph
     block = next(b for b in tinybert.plan.blocks if any(

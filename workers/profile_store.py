@@ -77,7 +77,7 @@ class DatabaseProfileStore:
 
     # --- ProfileStore ---------------------------------------------------------------------------
     def latency(self, graph: Graph, op_ids: Sequence[str]) -> Estimate:
-        from kiln.profile.probe import ProbeError, make_probe
+        from kiln.measure.probe import ProbeError, make_probe
 
         try:
             probe = make_probe(graph, op_ids)
@@ -133,7 +133,7 @@ class DatabaseProfileStore:
         return Estimate(estimate.seconds, COST_MODEL)
 
     def _build(self, probe, folder: Path):
-        from kiln.profile.probe import build_probes
+        from kiln.measure.probe import build_probes
 
         built = build_probes([probe], self.target, folder / "probe.kiln")
         if not built.kernels:

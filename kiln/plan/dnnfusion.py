@@ -228,7 +228,7 @@ class _Planning:
         self.yellow_lookups += 1
         parts = [self.latency(self.block | {op.id}), self.latency(self.block),
                  self.latency({op.id})]
-        fallback = getattr(self.store, "fallback", None)
+        fallback = self.store.fallback
         if len({e.source for e in parts}) > 1 and fallback is not None:
             parts = [self.latency(self.block | {op.id}, fallback), self.latency(self.block, fallback),
                      self.latency({op.id}, fallback)]

@@ -48,11 +48,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 from kiln.ecg import Graph, Op
 from kiln.mapping import MappingType
-from kiln.profile import COST_MODEL, Estimate
+from kiln.profile import COST_MODEL, MEASURED, Estimate
 from kiln.profile.machine import MachineFacts
 from kiln.signature import block_ops, live_outputs
 
@@ -107,11 +107,17 @@ class RooflineModel:
     def latency(self, graph: Graph, op_ids: Sequence[str]) -> Estimate:
         return Estimate(self.breakdown(graph, op_ids).seconds, COST_MODEL)
 
-    def record(self, graph: Graph, op_ids: Sequence[str], seconds: Sequence[float],
-               source: str = "measured") -> None:
+    fallback = None  # the model itself is what other stores fall back on
+
+    def record(self, graph: Graph, op_ids: Sequence[str], seconds: float | Sequence[float],
+               source: str = MEASURED, schedule: dict[str, Any] | None = None,
+               toolchain: str = "") -> None:
         raise NotImplementedError(
             "RooflineModel is a cost model and keeps no measurements; record them in a "
             "SQLiteProfileStore (kiln.profile.local.default_store())")
+
+    def schedules(self, graph: Graph, op_ids: Sequence[str]) -> list[tuple[dict[str, Any], float]]:
+        return []  # a formula has measured no schedule
 
     def breakdown(self, graph: Graph, op_ids: Sequence[str]) -> Breakdown:
         ops = block_ops(graph, op_ids)

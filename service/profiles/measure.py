@@ -1,6 +1,6 @@
 """Getting kernels measured: probe artifacts as measurement tasks for agents, or on this machine.
 
-`submit_probes` stores a probe artifact (kiln.profile.probe) under the storage root, named by its
+`submit_probes` stores a probe artifact (kiln.measure.probe) under the storage root, named by its
 sha256 (`probes/<sha256>.kiln`), and queues one measurement task for it; an agent's device of the
 artifact's architecture (and of `device_fingerprint`, when given) claims it, and its result becomes
 one profile entry per kernel. `measure_here` measures a probe artifact on this machine through the
@@ -40,7 +40,7 @@ def submit_probes(db: Database, storage: Storage, built, arch: str, *,
                   device_fingerprint: str | None = None, runs: int = 10, warmup: int = 2,
                   repeats: int = 1, priority: int = 0, deadline: datetime | None = None,
                   max_attempts: int = 3, timeout_s: float = 600.0, threads: int | None = None) -> str:
-    """Queue a measurement task for a kiln.profile.probe.BuiltProbes; its id.
+    """Queue a measurement task for a kiln.measure.probe.BuiltProbes; its id.
 
     With `threads`, the runner runs on that many threads and every kernel's schedule gets
     `"threads": n` (the key kiln.tune files thread counts under); without, the runner's default.

@@ -31,8 +31,13 @@ from typing import Any
 
 import numpy as np
 
+from kiln import codegen
+from kiln.codegen.schedule import DEFAULT_SCHEDULE
 from kiln.ecg import Graph, Op, Tensor
 from kiln.errors import KilnError
+from kiln.plan.blocks import build_plan
+from kiln.runtime.artifact import build_artifact
+from kiln.runtime.toolchain import ToolchainError, compiler_for
 from kiln.signature import block_ops, canonical_json, describe_block, live_outputs
 
 SHARED_CONSTANT_BYTES = 4096  # float constants larger than this get shared random values
@@ -156,12 +161,6 @@ def build_probes(probes: Sequence[Probe], build_target, out_path: str | Path,
     With `dedupe`, probes of one signature whose schedules give the same code are measured once:
     the first is kept, the others are skipped ("same code as probe i").
     """
-    from kiln import codegen
-    from kiln.codegen.schedule import DEFAULT_SCHEDULE
-    from kiln.plan.blocks import build_plan
-    from kiln.runtime.artifact import build_artifact
-    from kiln.runtime.toolchain import ToolchainError, compiler_for
-
     skipped: list[tuple[int, str]] = []
     alive = []
     for i, pr in enumerate(probes):
@@ -247,9 +246,6 @@ def build_probes(probes: Sequence[Probe], build_target, out_path: str | Path,
 
 def _failing_probes(probes: Sequence[Probe], alive: Sequence[int], build_target) -> dict[int, str]:
     """Probes whose kernel cannot be generated on its own, with the reason."""
-    from kiln import codegen
-    from kiln.plan.blocks import build_plan
-
     bad = {}
     for i in alive:
         merger = _Merger()
