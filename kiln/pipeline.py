@@ -1,4 +1,10 @@
-"""The compiler as a list of named stages: frontend → rewrite → plan → codegen → build."""
+"""The compiler as a list of named stages: frontend → rewrite → plan → codegen → build.
+
+Two optional callbacks follow a compile: `on_stage(stage)` as each stage starts, and
+`on_progress(stage, done, total, what)` within the slow ones — each latency the planner looks up
+(stage "plan"; `total` is 0 there, since the planner does not know in advance how many it asks)
+and each kernel the tuner measures (stage "tune"). `what` is one line for a person to read.
+"""
 from __future__ import annotations
 
 import time
@@ -10,13 +16,14 @@ from typing import Any, Callable, Mapping, Sequence
 from kiln import codegen, frontend, tune
 from kiln.ecg import Graph
 from kiln.plan import FusionPlan, partitioner
-from kiln.profile import ProfileStore
+from kiln.profile import Estimate, ProfileStore, check_store
 from kiln.report import fusion_report
 from kiln.rewrite import RewriteResult, rewrite
 from kiln.runtime.artifact import build_artifact
 from kiln.target import target
 
 StageCallback = Callable[[str], None]
+ProgressCallback = Callable[[str, int, int, str], None]  # (stage, done, total, what)
 
 
 @dataclass(frozen=True)
@@ -50,9 +57,36 @@ class _Stopwatch:
         return result
 
 
+class _ReportingStore:
+    """`store`, telling `on_progress` of every latency the planner looks up."""
+
+    def __init__(self, store: ProfileStore, on_progress: ProgressCallback):
+        self.store, self.on_progress = store, on_progress
+        self.fallback = store.fallback
+        self.lookups = 0
+
+    def latency(self, graph: Graph, op_ids: Sequence[str]) -> Estimate:
+        estimate = self.store.latency(graph, op_ids)
+        self.lookups += 1
+        kinds = "+".join(dict.fromkeys(graph.op_by_id[o].op_type for o in op_ids))
+        self.on_progress("plan", self.lookups, 0, f"latency of {kinds} ({len(op_ids)} ops): "
+                                                  f"{estimate.source}")
+        return estimate
+
+    def record(self, *args, **kwargs) -> None:
+        self.store.record(*args, **kwargs)
+
+    def schedules(self, graph: Graph, op_ids: Sequence[str]):
+        return self.store.schedules(graph, op_ids)
+
+
 def compile_model(path: str | Path, options: CompileOptions, store: ProfileStore,
-                  on_stage: StageCallback | None = None) -> Compilation:
+                  on_stage: StageCallback | None = None,
+                  on_progress: ProgressCallback | None = None) -> Compilation:
     choose = partitioner(options.partitioner)  # an unknown name fails before any work
+    check_store(store)
+    if on_progress:
+        store = _ReportingStore(store, on_progress)
     clock = _Stopwatch(on_stage)
     model = clock.run("load", frontend.read_model, path)
     onnx_nodes = sum(1 for n in model.graph.node if n.op_type != "Constant")
@@ -65,18 +99,20 @@ def compile_model(path: str | Path, options: CompileOptions, store: ProfileStore
 
 
 def compile_artifact(model_path: str | Path, out_path: str | Path, options: CompileOptions,
-                     store: ProfileStore, on_stage: StageCallback | None = None) -> dict[str, Any]:
-    """Compile a model into an artifact at `out_path`; return the report (see kiln.runtime.artifact)."""
+                     store: ProfileStore, on_stage: StageCallback | None = None,
+                     on_progress: ProgressCallback | None = None) -> dict[str, Any]:
+    """Compile a model into an artifact at `out_path`; return the report (see kiln.runtime.artifact).
+    The artifact appears whole or not at all, also when the compile is interrupted."""
     build_target = target(options.target)  # an unknown target fails before any work
     tune.check_mode(options.tune)
     tune.check_budget(options.tune_budget)
-    result = compile_model(model_path, options, store, on_stage)
+    result = compile_model(model_path, options, store, on_stage, on_progress)
     clock = _Stopwatch(on_stage)
     schedules: dict[str, dict[str, Any]] = {}
     extra: dict[str, Any] = {}
     if options.tune != "off":
-        tuned = clock.run("tune", tune.tune_plan, result.plan, build_target, store, options.tune,
-                          options.tune_budget)
+        tuned = clock.run("tune", partial(tune.tune_plan, on_progress=on_progress), result.plan,
+                          build_target, store, options.tune, options.tune_budget)
         schedules, extra = tuned.block_schedules, {"tuning": tuned.report}
     generate = partial(codegen.generate, block_schedules=schedules) if schedules else \
         codegen.generate

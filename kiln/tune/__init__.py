@@ -5,7 +5,8 @@ by measuring candidate kernels on this CPU, with every measurement kept in the P
     kernels = generate(plan, target, block_schedules=result.block_schedules)
 
 `space` defines the per-block search space, `harness` compiles and times candidates, `search`
-holds the tuner (`quick`: fixed candidates; `full`: a genetic search).
+holds the tuner (`quick`: fixed candidates; `full`: a genetic search), `report` prints
+its report.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from kiln.tune.search import (
     check_mode,
     tune_plan,
 )
+from kiln.tune.report import format_seconds, format_tuning
 
 __all__ = ["DEFAULT_BUDGET_S", "TUNE_MODES", "TuneError", "TuneResult", "check_budget",
-           "check_mode", "tune_plan"]
+           "check_mode", "format_seconds", "format_tuning", "tune_plan"]

@@ -41,6 +41,7 @@ from kiln.signature import kernel_signature
 from kiln.target import Target, host_target
 from kiln.tune import space
 from kiln.tune.harness import Candidate, Harness
+from kiln.tune.report import format_seconds
 
 TUNE_MODES = ("off", "quick", "full")
 DEFAULT_BUDGET_S = {"quick": 60.0, "full": 600.0}
@@ -50,6 +51,10 @@ GENERATIONS = 6
 QUICK_MIN_SHARE = 0.005  # quick skips groups below this share of the model's estimated time
 FULL_MIN_SHARE = 0.0005
 MIN_SAMPLES = 1
+MAX_FAILURES_KEPT = 5  # per group in the report: reasons, not an unbounded log
+
+# on_progress(stage, done, total, what): see kiln.pipeline.ProgressCallback
+ProgressCallback = Callable[[str, int, int, str], None]
 
 
 class TuneError(KilnError):
@@ -96,10 +101,30 @@ def check_budget(budget: float | None) -> float | None:
     return value
 
 
+class _Progress:
+    """Counts the kernels measured (or failed) for `on_progress`: `total` is what is planned so
+    far — every quick candidate up front, a full search's generations as they come."""
+
+    def __init__(self, on_progress: ProgressCallback | None):
+        self.on_progress = on_progress
+        self.done = self.total = 0
+
+    def expect(self, kernels: int) -> None:
+        self.total = max(self.total, self.done + kernels)
+
+    def step(self, what: str) -> None:
+        self.done += 1
+        self.total = max(self.total, self.done)
+        if self.on_progress:
+            self.on_progress("tune", self.done, self.total, what)
+
+
 def tune_plan(plan: FusionPlan, target: Target, store: ProfileStore, mode: str = "quick",
               budget_s: float | None = None, threads: int | None = None,
-              log: Callable[[str], None] | None = None) -> TuneResult:
-    """Per-block schedule overrides for `generate(..., block_schedules=...)`, and a report."""
+              log: Callable[[str], None] | None = None,
+              on_progress: ProgressCallback | None = None) -> TuneResult:
+    """Per-block schedule overrides for `generate(..., block_schedules=...)`, and a report.
+    `on_progress("tune", done, total, what)` follows each kernel measured."""
     check_mode(mode)
     budget = check_budget(budget_s) or DEFAULT_BUDGET_S.get(mode, 0.0)
     start = time.monotonic()
@@ -118,13 +143,20 @@ def tune_plan(plan: FusionPlan, target: Target, store: ProfileStore, mode: str =
     total = sum(g.weight for g in groups) or 1.0
     min_share = QUICK_MIN_SHARE if mode == "quick" else FULL_MIN_SHARE
     schedules: dict[str, dict[str, Any]] = {}
+    progress = _Progress(on_progress)
     with Harness(plan.graph, compiler_for(target), BuildCache(), threads) as harness:
-        remaining_weight = sum(g.weight for g in groups if g.weight / total >= min_share)
+        for group in groups:
+            if group.weight / total < min_share:
+                report["skipped"][group.blocks[0].name] = f"under {min_share:.2%} of the estimated time"
+        groups = [g for g in groups if g.weight / total >= min_share]
+        remaining_weight = sum(g.weight for g in groups)
+        tuners = {}
+        if mode == "quick":  # every group's candidates are known: count them all before measuring
+            tuners = {g.signature: _GroupTuner(plan, g, target, store, harness, threads, deadline,
+                                               progress) for g in groups}
+            progress.expect(sum(t.quick_pending() for t in tuners.values()))
         for group in groups:
             name = group.blocks[0].name
-            if group.weight / total < min_share:
-                report["skipped"][name] = "under " + f"{min_share:.2%} of the estimated time"
-                continue
             now = time.monotonic()
             if now >= deadline:
                 report["skipped"][name] = "budget spent"
@@ -132,7 +164,8 @@ def tune_plan(plan: FusionPlan, target: Target, store: ProfileStore, mode: str =
             share = (deadline - now) * group.weight / max(remaining_weight, 1e-30)
             remaining_weight -= group.weight
             group_deadline = deadline if mode == "quick" else min(deadline, now + max(share, 0.0))
-            tuner = _GroupTuner(plan, group, target, store, harness, threads, group_deadline)
+            tuner = tuners.get(group.signature) or _GroupTuner(
+                plan, group, target, store, harness, threads, group_deadline, progress)
             entry = tuner.run(mode)
             report["measured"] += tuner.measured
             report["reused"] += tuner.reused
@@ -149,13 +182,17 @@ def tune_plan(plan: FusionPlan, target: Target, store: ProfileStore, mode: str =
     return TuneResult(schedules, report)
 
 
+def _ms(seconds: float) -> float:
+    return float(f"{seconds * 1e3:.4g}")  # 4 significant digits: sub-microsecond kernels too
+
+
 def _describe(entry: dict[str, Any]) -> str:
     best = entry.get("best_ms")
     default = entry.get("default_ms")
     gain = f", {default / best:.2f}x over default" if best and default else ""
     return (f"tune {entry['name']} ×{entry['blocks']}: {entry['candidates']} kernels "
             f"({entry['measured']} measured, {entry['reused']} reused); best "
-            f"{json.dumps(entry['best'])}" + (f" {best:.3f} ms" if best else "") + gain)
+            f"{json.dumps(entry['best'])}" + (f" {format_seconds(best / 1e3)}" if best else "") + gain)
 
 
 def _runs_here(target: Target) -> bool:
@@ -178,8 +215,8 @@ def _groups(plan: FusionPlan, store: ProfileStore) -> list[Group]:
 
 
 def _estimate(plan: FusionPlan, block: Block, store: ProfileStore) -> float:
-    model = getattr(store, "fallback", None) or store  # the model, not measurements: the
-    try:                                                  # same weights on every run
+    model = store.fallback or store  # the model, not measurements: the same weights every run
+    try:
         return float(model.latency(plan.graph, list(block.op_ids)).seconds)
     except Exception:  # a store without an answer: weigh by FLOPs and bytes
         ops = [plan.graph.op_by_id[o] for o in block.op_ids]
@@ -190,8 +227,9 @@ class _GroupTuner:
     """Tunes one group: candidates → kernels (deduplicated by source) → store or harness."""
 
     def __init__(self, plan: FusionPlan, group: Group, target: Target, store: ProfileStore,
-                 harness: Harness, threads: int, deadline: float):
+                 harness: Harness, threads: int, deadline: float, progress: _Progress):
         self.plan, self.group, self.target = plan, group, target
+        self.progress = progress
         self.store, self.harness, self.threads = store, harness, threads
         self.deadline = deadline
         self.block = group.blocks[0]
@@ -201,7 +239,7 @@ class _GroupTuner:
         self.times: dict[str, float] = {}  # kernel hash -> median seconds
         self.first_overrides: dict[str, dict[str, Any]] = {}  # kernel hash -> overrides
         self.measured = self.reused = self.failed = 0
-        self.broken: set[str] = set()
+        self.broken: dict[str, str] = {}  # kernel hash -> why its measurement failed
         self.known = self._stored()
 
     # --- kernels and the store ------------------------------------------------------------
@@ -219,11 +257,8 @@ class _GroupTuner:
 
     def _stored(self) -> dict[str, float]:
         """kernel hash -> median of earlier measurements with this thread count."""
-        lookup = getattr(self.store, "schedules", None)
-        if lookup is None:
-            return {}
         known: dict[str, float] = {}
-        for schedule, median in lookup(self.plan.graph, self.op_ids):
+        for schedule, median in self.store.schedules(self.plan.graph, self.op_ids):
             h = schedule.get("kernel") if isinstance(schedule, dict) else None
             if h and schedule.get("threads") == self.threads:
                 known.setdefault(h, median)
@@ -234,7 +269,7 @@ class _GroupTuner:
         try:
             self.store.record(self.plan.graph, self.op_ids, list(samples), MEASURED,
                               schedule=schedule)
-        except TypeError:  # a store without schedules: keep the measurement for this run only
+        except NotImplementedError:  # a store that keeps nothing: this run keeps the time
             pass
 
     def evaluate(self, candidates: Sequence[dict[str, Any]]) -> None:
@@ -255,6 +290,7 @@ class _GroupTuner:
             batch[h] = (overrides, k)
         if not batch or time.monotonic() >= self.deadline:
             return
+        self.progress.expect(len(batch))
         result = self.harness.measure([Candidate(h, k) for h, (_, k) in batch.items()],
                                       self.deadline)
         for h, (overrides, _) in batch.items():
@@ -264,9 +300,25 @@ class _GroupTuner:
                 self.times[h] = samples[len(samples) // 2]
                 self.measured += 1
                 self._record(overrides, h, samples)
+                self.progress.step(f"{self.block.name} {json.dumps(overrides)}: "
+                                   f"{format_seconds(self.times[h])}")
             elif h in result.failed:
-                self.broken.add(h)
+                self.broken[h] = result.failed[h]
                 self.failed += 1
+                self.progress.step(f"{self.block.name} {json.dumps(overrides)}: failed: "
+                                   f"{result.failed[h]}")
+
+    def quick_pending(self) -> int:
+        """Kernels `run("quick")` would measure: distinct quick candidates not in the store."""
+        quick = self.quick_candidates()
+        if len(quick) < 2:
+            return 0
+        return len({made[0] for o in quick if (made := self.kernel(o))} - set(self.known))
+
+    def failures(self) -> list[dict[str, Any]]:
+        """Why measurements failed, by schedule (the first MAX_FAILURES_KEPT)."""
+        return [{"schedule": self.first_overrides.get(h, {}), "reason": why}
+                for h, why in list(self.broken.items())[:MAX_FAILURES_KEPT]]
 
     def time_of(self, overrides: dict[str, Any]) -> float:
         made = self.kernel(overrides)
@@ -279,7 +331,7 @@ class _GroupTuner:
             return {"name": self.block.name, "signature": self.group.signature[:16],
                     "blocks": len(self.group.blocks), "genes": [], "candidates": 0,
                     "measured": 0, "reused": 0, "failed": 0, "best": {}, "best_ms": None,
-                    "default_ms": None}
+                    "default_ms": None, "failures": [], "note": self.default_problem()}
         genes = self.relevant_genes() if mode == "full" else []
         quick = self.quick_candidates()
         if mode == "quick" and len(quick) > 1:
@@ -295,8 +347,20 @@ class _GroupTuner:
                 "blocks": len(self.group.blocks), "genes": [g.name for g in genes],
                 "candidates": len(self.times), "measured": self.measured, "reused": self.reused,
                 "failed": self.failed, "best": best,
-                "best_ms": round(self.times[best_h] * 1e3, 4) if best_h in self.times else None,
-                "default_ms": round(default_s * 1e3, 4) if default_s else None}
+                "best_ms": _ms(self.times[best_h]) if best_h in self.times else None,
+                "default_ms": _ms(default_s) if default_s else None,
+                "failures": self.failures(),
+                "note": "" if default_s else self.default_problem()}
+
+    def default_problem(self) -> str:
+        """Why the group kept its default schedule without a comparison."""
+        made = self.kernels.get(json.dumps({}, sort_keys=True))
+        if made is None:
+            return ("out of time before its first kernel" if time.monotonic() >= self.deadline
+                    else "the default schedule's kernel cannot be generated")
+        if made[0] in self.broken:
+            return f"the default kernel could not be measured: {self.broken[made[0]]}"
+        return "the default kernel was not measured in time"
 
     def relevant_genes(self) -> list[space.Gene]:
         """Genes whose first or last alternative changes this block's code (code generation
