@@ -1,23 +1,26 @@
-"""The `kiln` command line. Each package adds its own subcommands through `add_commands`."""
+"""The `kiln` command line: `kiln compile` here; every other command comes from an entry point of
+the group `kiln.commands` (a callable that adds its subcommands to the argparse subparsers), so
+the compiler knows nothing of the packages that extend its command line."""
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
+import time
+from importlib.metadata import entry_points
 from pathlib import Path
 
+import kiln
 from kiln import frontend
 from kiln.errors import KilnError
 from kiln.pipeline import CompileOptions, compile_artifact, compile_model
-from kiln.plan import partitioner_names
+from kiln.plan import partitioner, partitioner_names
 from kiln.report import format_report
 from kiln.target import TARGET_NAMES
-from kiln.tune import DEFAULT_BUDGET_S, TUNE_MODES, check_budget
+from kiln.tune import DEFAULT_BUDGET_S, TUNE_MODES, check_budget, format_tuning
 
-# Modules defining `add_commands(subparsers)`; each registers its subcommands.
-COMMAND_MODULES: tuple[str, ...] = ("kiln.runtime.cli", "service.cli", "workers.cli",
-                                    "kiln.rewrite.cli")
+COMMAND_GROUP = "kiln.commands"
+INTERRUPTED = 130  # the shell's status for a command ended by SIGINT
 
 
 def _compile(args: argparse.Namespace) -> int:
@@ -30,10 +33,12 @@ def _compile(args: argparse.Namespace) -> int:
     if args.tune != "off" and not args.output:
         raise KilnError("--tune needs -o: tuning chooses the schedules of the generated code")
     store = default_store(args.profile_db)
-    if args.output:
-        report = compile_artifact(args.model, args.output, options, store)
-    else:
-        report = compile_model(args.model, options, store).report
+    with progress_view() as view:
+        if args.output:
+            report = compile_artifact(args.model, args.output, options, store, view.stage,
+                                      view.progress)
+        else:
+            report = compile_model(args.model, options, store, view.stage, view.progress).report
     if args.report_json:
         Path(args.report_json).write_text(json.dumps(report, indent=2))
     print(format_report(report))
@@ -47,9 +52,11 @@ def _compile(args: argparse.Namespace) -> int:
 
 
 def add_compile_command(commands) -> argparse.ArgumentParser:
-    cmd = commands.add_parser("compile", help="compile an ONNX model")
+    cmd = commands.add_parser("compile", help="compile an ONNX model",
+                              formatter_class=_LineHelpFormatter)
     cmd.add_argument("model", help="path to an .onnx file")
-    cmd.add_argument("--partitioner", default="dnnfusion", choices=partitioner_names())
+    cmd.add_argument("--partitioner", default="dnnfusion", choices=partitioner_names(),
+                     metavar="NAME", help=partitioner_help())
     cmd.add_argument("--shape", action="append", default=[], metavar="NAME=D0,D1,…",
                      help="value of an input's symbolic dimensions (repeatable)")
     cmd.add_argument("-o", "--output", metavar="MODEL.kiln",
@@ -72,6 +79,30 @@ def add_compile_command(commands) -> argparse.ArgumentParser:
     return cmd
 
 
+def partitioner_help() -> str:
+    """One line per partitioner: its name and the first line of its docstring."""
+    lines = ["how the graph is cut into fused kernels (default: dnnfusion):"]
+    for name in partitioner_names():
+        chosen = partitioner(name)
+        doc = type(chosen).__doc__ or sys.modules[type(chosen).__module__].__doc__ or ""
+        summary = doc.strip().splitlines()[0] if doc.strip() else ""
+        if summary.startswith("Partitioner") and ": " in summary:
+            summary = summary.split(": ", 1)[1]  # "Partitioner `none`: one kernel per op"
+        lines.append(f"  {name}: {summary.rstrip('.')}")
+    return "\n".join(lines)
+
+
+class _LineHelpFormatter(argparse.HelpFormatter):
+    """Wraps each line of a help text on its own, so that a list in it stays a list."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        lines = []
+        for line in text.splitlines():
+            indent = line[:len(line) - len(line.lstrip())]
+            lines += [indent + piece for piece in super()._split_lines(line, width - len(indent))]
+        return lines
+
+
 def _seconds(text: str) -> float:
     try:
         return check_budget(text)
@@ -79,27 +110,97 @@ def _seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def format_tuning(t: dict) -> str:
-    if "all" in t.get("skipped", {}):
-        return f"tuning ({t['mode']}): skipped: {t['skipped']['all']}"
-    lines = [f"tuning ({t['mode']}, {t['threads']} threads): {len(t['groups'])} distinct blocks, "
-             f"{t['measured']} kernels measured, {t['reused']} reused from the profile database, "
-             f"{t['failed']} failed; {t['seconds']:.1f} s of {t['budget_s']:g} s; "
-             f"{len(t['schedules'])} blocks with a non-default schedule"]
-    for g in t["groups"]:
-        if g["best_ms"] and g["default_ms"]:
-            lines.append(f"  {g['name'][:48]:48s} x{g['blocks']:<3d} {g['default_ms']:9.3f} ms -> "
-                         f"{g['best_ms']:9.3f} ms  {json.dumps(g['best'])}")
-    return "\n".join(lines)
+# --- progress -----------------------------------------------------------------------------------
 
+class _PlainProgress:
+    """Stages and progress as lines on stderr (not a terminal: logs, pipes)."""
+
+    EVERY_S = 5.0  # at most one line per stage this often, but every tuning measurement
+
+    def __init__(self):
+        self.last: dict[str, float] = {}
+
+    def __enter__(self) -> "_PlainProgress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def stage(self, stage: str) -> None:
+        print(f"kiln: {stage}", file=sys.stderr, flush=True)
+
+    def progress(self, stage: str, done: int, total: int, what: str) -> None:
+        now = time.monotonic()
+        if stage != "tune" and now - self.last.get(stage, -self.EVERY_S) < self.EVERY_S:
+            return
+        self.last[stage] = now
+        count = f"{done}/{total}" if total else str(done)
+        noun = "measuring kernel" if stage == "tune" else "latency lookup"
+        print(f"kiln: {stage}: {noun} {count}: {what}", file=sys.stderr, flush=True)
+
+
+class _RichProgress:
+    """Stages and progress as a rich progress bar on the terminal (stderr), gone when done."""
+
+    def __init__(self):
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, \
+            TimeElapsedColumn
+
+        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                            TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+        self.task = None
+
+    def __enter__(self) -> "_RichProgress":
+        self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.bar.__exit__(*exc)
+
+    def stage(self, stage: str) -> None:
+        if self.task is not None:
+            self.bar.remove_task(self.task)
+        self.task = self.bar.add_task(stage, total=None)
+
+    def progress(self, stage: str, done: int, total: int, what: str) -> None:
+        if self.task is None:
+            self.stage(stage)
+        noun = "measuring kernel" if stage == "tune" else "latency lookup"
+        self.bar.update(self.task, completed=done, total=total or None,
+                        description=f"{stage}: {noun} {done}{f'/{total}' if total else ''} "
+                                    f"[dim]{what[:60]}[/dim]")
+
+
+def progress_view() -> _PlainProgress | _RichProgress:
+    return _RichProgress() if sys.stderr.isatty() else _PlainProgress()
+
+
+# --- the parser ---------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kiln", description="Kiln operator-fusion compiler")
+    parser.add_argument("--version", action="version", version=f"kiln {kiln.__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     add_compile_command(commands)
-    for module in COMMAND_MODULES:
-        importlib.import_module(module).add_commands(commands)
+    add_registered_commands(commands)
     return parser
+
+
+def add_registered_commands(commands) -> None:
+    """The commands of every installed `kiln.commands` entry point. One whose package needs
+    modules that are not installed (an extra left out) is skipped: `kiln compile` works without
+    the service; a missing module of kiln itself is a bug and is raised."""
+    seen: set[str] = set()
+    for point in sorted(entry_points(group=COMMAND_GROUP), key=lambda p: p.name):
+        if point.name in seen:
+            continue
+        seen.add(point.name)
+        try:
+            point.load()(commands)
+        except ModuleNotFoundError as exc:
+            if (exc.name or "kiln").split(".")[0] == "kiln":
+                raise
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,6 +210,16 @@ def main(argv: list[str] | None = None) -> int:
     except KilnError as exc:
         print(f"kiln: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"kiln: interrupted{_interrupted_note(args)}", file=sys.stderr)
+        return INTERRUPTED
+
+
+def _interrupted_note(args: argparse.Namespace) -> str:
+    if getattr(args, "handler", None) is _compile and args.output:
+        return (f": {args.output} is written whole or not at all; measurements taken so far "
+                f"stay in the profile database")
+    return ""
 
 
 if __name__ == "__main__":
