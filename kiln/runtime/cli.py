@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -15,7 +17,7 @@ import numpy as np
 from kiln import frontend
 from kiln.errors import KilnError
 from kiln.runtime.artifact import Artifact, open_artifact
-from kiln.runtime.execute import run_artifact, run_runner
+from kiln.runtime.execute import run_artifact, run_runner, runner_prefix, runs_natively
 from kiln.runtime.inputs import random_inputs
 
 RTOL = 1e-3  # verify: max|diff| <= RTOL * max|ref| + ATOL
@@ -27,7 +29,7 @@ def add_commands(commands) -> None:
     run.add_argument("artifact", help="a model.kiln file")
     run.add_argument("--inputs", required=True, metavar="IN.npz", help="arrays by input name")
     run.add_argument("--outputs", required=True, metavar="OUT.npz", help="write outputs here")
-    run.add_argument("--threads", type=int, metavar="T")
+    run.add_argument("--threads", type=_at_least(1), metavar="T")
     run.set_defaults(handler=_run)
 
     verify = commands.add_parser("verify", help="compare an artifact with onnxruntime")
@@ -37,19 +39,33 @@ def add_commands(commands) -> None:
     verify.add_argument("--shape", action="append", default=[], metavar="NAME=D0,D1,…",
                         help="input shapes the artifact was compiled with (default: its own)")
     verify.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
-    verify.add_argument("--threads", type=int, metavar="T")
+    verify.add_argument("--threads", type=_at_least(1), metavar="T")
     verify.set_defaults(handler=_verify)
 
     bench = commands.add_parser("bench", help="measure an artifact's latency with its runner")
     bench.add_argument("artifact", help="a model.kiln file")
-    bench.add_argument("--runs", type=int, default=20, metavar="N", help="timed runs")
-    bench.add_argument("--warmup", type=int, default=3, metavar="W", help="untimed runs first")
-    bench.add_argument("--threads", type=int, metavar="T")
+    bench.add_argument("--runs", type=_at_least(1), default=20, metavar="N", help="timed runs")
+    bench.add_argument("--warmup", type=_at_least(0), default=3, metavar="W",
+                       help="untimed runs first")
+    bench.add_argument("--threads", type=_at_least(1), metavar="T")
     bench.add_argument("--inputs", metavar="IN.npz", help="inputs (default: random ones)")
     bench.add_argument("--json", action="store_true", help="print the runner's JSON")
-    bench.add_argument("--kernels", type=int, default=0, metavar="K",
+    bench.add_argument("--kernels", type=_at_least(0), default=0, metavar="K",
                        help="also list the K slowest kernels with their stages")
     bench.set_defaults(handler=_bench)
+
+
+def _at_least(minimum: int):
+    """An argparse type: an integer >= minimum (argparse names the option in its error)."""
+    def integer(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, not {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, not {value}")
+        return value
+    return integer
 
 
 # ---------------------------------------------------------------------------------------------
@@ -65,9 +81,11 @@ def _run(args: argparse.Namespace) -> int:
 
 def _verify(args: argparse.Namespace) -> int:
     artifact = open_artifact(args.artifact)
+    model = frontend.read_model(args.model)
+    _check_input_names(artifact, model)
     given = dict(frontend.parse_shape_arg(s) for s in args.shape)
     shapes = {t.name: list(t.shape) for t in artifact.inputs} | given
-    graph = frontend.load(args.model, shapes)
+    graph = frontend.build(model, shapes, Path(args.model).stem)
     _check_shapes(artifact, graph)
     inputs = read_npz(args.inputs) if args.inputs else random_inputs(artifact.inputs, graph, args.seed)
     ours = run_artifact(artifact, inputs, args.threads)
@@ -86,6 +104,11 @@ def _bench(args: argparse.Namespace) -> int:
     artifact = open_artifact(args.artifact)
     inputs = read_npz(args.inputs) if args.inputs else random_inputs(artifact.inputs)
     result = run_runner(artifact, inputs, args.runs, args.warmup, args.threads, keep_outputs=False)
+    if not runs_natively(artifact):
+        emulator = Path(runner_prefix(artifact)[0]).name
+        print(f"warning: this {artifact.arch} artifact ran under {emulator} on this "
+              f"{platform.machine()} machine: its times are emulated, not what a {artifact.arch} "
+              f"device measures", file=sys.stderr)
     if args.json:
         print(json.dumps(result.timing, indent=2))
         return 0
@@ -139,6 +162,16 @@ def _unique(names: Sequence[str]) -> list[str]:
         seen[name] = seen.get(name, 0) + 1
         unique.append(name if seen[name] == 1 else f"{name}_{seen[name] - 1}")
     return unique
+
+
+def _check_input_names(artifact: Artifact, model) -> None:
+    """The artifact must have been compiled from this model: the same inputs, by name."""
+    initializers = {t.name for t in model.graph.initializer}
+    names = [i.name for i in model.graph.input if i.name not in initializers]
+    compiled = [t.name for t in artifact.inputs]
+    if compiled != names:
+        raise KilnError(f"the artifact's inputs ({', '.join(compiled)}) do not match the model's "
+                        f"({', '.join(names)}): was it compiled from another model?")
 
 
 def _check_shapes(artifact: Artifact, graph) -> None:

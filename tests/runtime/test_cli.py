@@ -122,6 +122,15 @@ def test_verify_refuses_other_shapes(compiled, onnx_mlp, capsys):
     assert "axis 0 is fixed to 4" in capsys.readouterr().err
 
 
+def test_verify_of_another_model_names_both_inputs(compiled, tmp_path, capsys):
+    other = save_model(tmp_path / "other.onnx", [helper.make_node("Relu", ["image"], ["y"])],
+                       [float_input("image", [4, 8])], [float_input("y", [4, 8])], [])
+    assert main(["verify", str(compiled), str(other)]) == 2
+    err = capsys.readouterr().err
+    assert "the artifact's inputs (x) do not match the model's (image)" in err
+    assert "--shape" not in err
+
+
 def test_run_writes_outputs_by_name(compiled, tmp_path):
     x = np.ones((4, 8), np.float32)
     np.savez(tmp_path / "in.npz", x=x)
@@ -145,6 +154,20 @@ def test_bench_prints_the_median(compiled, capsys):
     assert "4 kernels, 1 threads, 3 runs" in out and "median" in out
 
 
+@pytest.mark.parametrize("flag, value, message", [
+    ("--runs", "0", "argument --runs: must be at least 1, not 0"),
+    ("--warmup", "-1", "argument --warmup: must be at least 0, not -1"),
+    ("--threads", "0", "argument --threads: must be at least 1, not 0"),
+    ("--runs", "many", "argument --runs: must be an integer, not 'many'"),
+])
+def test_bench_names_its_own_option_when_a_count_is_wrong(compiled, capsys, flag, value, message):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", str(compiled), flag, value])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "-n RUNS" not in err and "runner" not in err
+
+
 def test_bench_lists_the_slowest_kernels(compiled, capsys):
     assert main(["bench", str(compiled), "--runs", "3", "--warmup", "1", "--threads", "1",
                  "--kernels", "2"]) == 0
@@ -165,8 +188,11 @@ def test_aarch64_compile_and_verify_under_qemu(onnx_mlp, stand_in_codegen, tmp_p
     assert main(["compile", str(onnx_mlp), "-o", str(out), "--target", "aarch64",
                  "--partitioner", "none", "--no-rewrite", "--profile-db", ":memory:"]) == 0
     assert main(["verify", str(out), str(onnx_mlp)]) == 0
+    capsys.readouterr()
     assert main(["bench", str(out), "--runs", "2", "--warmup", "0"]) == 0
-    assert "(aarch64, 4 kernels" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert "(aarch64, 4 kernels" in printed.out
+    assert "ran under qemu-aarch64" in printed.err and "its times are emulated" in printed.err
 
 
 # ---------------------------------------------------------------------------------------------
