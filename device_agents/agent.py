@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,9 +42,10 @@ from device_agents.backends import (
 from device_agents.client import AuthError, ServiceClient, ServiceError
 from device_agents.config import AgentConfig
 from device_agents.facts import FactsError, HardwareFacts, Transport
-from device_agents.measure import MeasurementError, measure
+from device_agents.measure import Measurement, MeasurementError, measure
 from kiln.errors import KilnError
 from kiln.runtime.artifact import Artifact, open_artifact
+from kiln.tune.report import format_seconds
 
 AGENT_VERSION = f"kiln-agent {kiln.__version__}"
 log = logging.getLogger("kiln.agent")
@@ -102,6 +104,17 @@ def usb_serials() -> list[str]:
     except Exception as exc:  # noqa: BLE001 - libusb errors of every kind (no access, no bus)
         log.warning("USB discovery failed: %s", exc)
         return []
+
+
+def describe(m: Measurement, most: int = 3) -> str:
+    """One line: each kernel's median (the slowest `most` named) and the whole run's."""
+    medians = sorted(((statistics.median(k.samples_s), k.symbol) for k in m.kernels), reverse=True)
+    named = ", ".join(f"{symbol} {format_seconds(s)}" for s, symbol in medians[:most])
+    more = f" and {len(medians) - most} more" if len(medians) > most else ""
+    total = statistics.median(t.median_s for t in m.totals)
+    emulated = " (emulated)" if m.emulated else ""
+    return (f"{len(medians)} kernel(s): {named}{more}; whole run {format_seconds(total)} "
+            f"(median of {len(m.totals)}x{m.runs} runs, {m.threads} threads){emulated}")
 
 
 def _failed(base: dict, exc: BaseException) -> p.ResultUpload:
@@ -302,6 +315,8 @@ class Agent:
             result = _failed(base, exc)
         if result.status == "failed":
             log.warning("%s: task %s failed: %s", device.name, task.task_id, result.error)
+        else:
+            log.info("%s: task %s measured %s", device.name, task.task_id, describe(m))
         await self.upload(device, result)
 
     async def upload(self, device: Device, result: p.ResultUpload) -> None:

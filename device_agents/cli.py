@@ -2,6 +2,7 @@
 
     kiln-agent --config agent.toml            # work until interrupted
     kiln-agent --config agent.toml --once     # one round: register, claim once per device, report
+                                              # (exit status 1 when no device can be reached)
     kiln-agent --config agent.toml --facts    # print each device's facts as JSON; no service needed
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ from device_agents.backends import DeviceError
 from device_agents.client import AuthError
 from device_agents.config import AgentConfig, ConfigError, load_config
 from device_agents.facts import FactsError
+from device_agents.protocol import DeviceState
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -33,27 +35,35 @@ def main(argv: Sequence[str] | None = None) -> int:
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(message)s")
+    if args.log_level != "DEBUG":  # one line per HTTP request drowns what the agent measured
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         config = load_config(args.config)
         if args.facts:
             return asyncio.run(_print_facts(config))
-        asyncio.run(_run(config, args.once))
+        agent = asyncio.run(_run(config, args.once))
     except ConfigError as exc:
         print(f"kiln-agent: {exc}", file=sys.stderr)
         return 2
     except AuthError as exc:
         print(f"kiln-agent: the service refused this agent's token: {exc}", file=sys.stderr)
         return 1
+    if args.once and not any(d.state != DeviceState.offline for d in agent.devices):
+        why = "; ".join(f"{d.name}: {d.error}" for d in agent.devices) or "none is configured"
+        print(f"kiln-agent: no device could be reached ({why})", file=sys.stderr)
+        return 1
     return 0
 
 
-async def _run(config: AgentConfig, once: bool) -> None:
+async def _run(config: AgentConfig, once: bool) -> Agent:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
-    await Agent(config).run(stop, once=once)
+    agent = Agent(config)
+    await agent.run(stop, once=once)
+    return agent
 
 
 async def _print_facts(config: AgentConfig) -> int:

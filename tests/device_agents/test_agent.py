@@ -8,6 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import re
+import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -297,6 +302,44 @@ def test_cli_once_registers_and_measures(tmp_path, service, host_artifact_path):
     assert service.tasks()[task].status == "done"
     assert (tmp_path / "w" / "cache" / "downloads").is_dir()
     assert len(service.entries()) == 3
+
+
+def agent_cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    """`kiln-agent` as a process: its real logging set-up, stderr as an operator sees it."""
+    repo = Path(__file__).resolve().parents[2]
+    return subprocess.run([sys.executable, "-m", "device_agents.cli", *args], cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(repo)}, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_cli_logs_each_measurement_and_not_each_http_request(tmp_path, service,
+                                                             host_artifact_path):
+    task = service.add_task(host_artifact_path, "x86_64")
+    (tmp_path / "token").write_text(service.token + "\n")
+    (tmp_path / "agent.toml").write_text(f'server = "{service.url}"\ntoken_file = "token"\n'
+                                         f'work_dir = "w"\npoll_interval = 0.1\n')
+    done = agent_cli(tmp_path, "--config", "agent.toml", "--once")
+    assert done.returncode == 0, done.stderr
+    assert service.tasks()[task].status == "done"
+    assert "HTTP Request" not in done.stderr
+    measured = [line for line in done.stderr.splitlines() if f"task {task} measured" in line]
+    assert len(measured) == 1, done.stderr
+    assert "local:" in measured[0] and "3 kernel(s)" in measured[0]
+    assert re.search(r"k\d+_\w+ [\d.]+ (ns|µs|ms|s)\b", measured[0])
+    assert "whole run" in measured[0]
+
+
+def test_cli_once_fails_when_no_device_can_be_reached(tmp_path, service):
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    (tmp_path / "agent.toml").write_text(
+        f'server = "{service.url}"\ntoken = "{service.token}"\nwork_dir = "w"\nlocal = false\n'
+        f'adb_key = "adbkey"\n[[adb]]\nname = "phone"\nhost = "127.0.0.1"\nport = {port}\n')
+    done = agent_cli(tmp_path, "--config", "agent.toml", "--once")
+    assert done.returncode == 1, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("kiln-agent: no device could be reached (phone: cannot connect")
 
 
 def test_cli_facts(tmp_path, capsys):
