@@ -573,3 +573,31 @@ def test_library_imports_no_service_packages():
 def test_missing_folder_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="nowhere"):
         SQLiteProfileStore(tmp_path / "nowhere" / "p.sqlite", MACHINE)
+
+
+# --- the protocol -----------------------------------------------------------------------------
+
+def test_the_shipped_stores_declare_the_whole_protocol():
+    from kiln.profile import ProfileStore, check_store
+
+    g, block = conv_block_graph()
+    sqlite_store = SQLiteProfileStore(":memory:", MACHINE)
+    model = RooflineModel(MACHINE)
+    for store in (sqlite_store, model):
+        assert isinstance(store, ProfileStore) and check_store(store) is store
+    assert isinstance(sqlite_store.fallback, RooflineModel)
+    assert model.fallback is None and model.schedules(g, block) == []
+    with pytest.raises(NotImplementedError, match="cost model"):
+        model.record(g, block, [1e-6], MEASURED, schedule={"vector": 8})
+
+
+def test_a_store_lacking_part_of_the_protocol_is_refused_by_name(tmp_path):
+    from kiln.pipeline import CompileOptions, compile_model
+
+    class LatencyOnly:
+        def latency(self, graph, op_ids):
+            return Estimate(1e-6, COST_MODEL)
+
+    with pytest.raises(TypeError, match="LatencyOnly is not a kiln.profile.ProfileStore: it "
+                                        "lacks fallback, record, schedules"):
+        compile_model("tests/fixtures/zoo/resnet50.onnx", CompileOptions(), LatencyOnly())

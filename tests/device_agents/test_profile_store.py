@@ -5,6 +5,7 @@ import pytest
 from sqlalchemy import select
 
 from kiln.pipeline import CompileOptions, compile_model
+from kiln.profile import ProfileStore
 from kiln.signature import kernel_signature
 from service.db import database
 from service.devices import service as devices
@@ -37,6 +38,7 @@ def test_a_miss_is_measured_here_then_answered_from_the_database(setup):
     settings, db, storage = setup
     graph = mlp().plan.graph
     store = DatabaseProfileStore(db, storage, settings, "host")
+    assert isinstance(store, ProfileStore)  # the whole protocol: fallback, record, schedules
     first = store.latency(graph, ["op1", "op2"])
     assert first.source == "measured" and 0 < first.seconds < 1
     [entry] = entries(db)
