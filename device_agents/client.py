@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 from pathlib import Path
 from typing import TypeVar
 
@@ -11,6 +10,7 @@ import httpx
 from pydantic import BaseModel, ValidationError
 
 from device_agents import protocol as p
+from kiln.files import temporary_beside
 
 M = TypeVar("M", bound=BaseModel)
 MAX_ARTIFACT_BYTES = 4 << 30
@@ -77,29 +77,27 @@ class ServiceClient:
                        max_bytes: int = MAX_ARTIFACT_BYTES) -> Path:
         """Stream the artifact at `url` to `dest` (atomically), checking size and hash."""
         target = self.artifact_url(url)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
         digest, size = hashlib.sha256(), 0
-        try:
-            with os.fdopen(fd, "wb") as out:
-                async with self._http.stream("GET", target) as response:
-                    if response.status_code >= 400:
-                        await response.aread()
-                    _check(response, f"GET {url}")
-                    async for chunk in response.aiter_bytes(1 << 20):
-                        size += len(chunk)
-                        if size > max_bytes:
-                            raise ServiceError(f"GET {url}: the artifact exceeds {max_bytes} bytes")
-                        digest.update(chunk)
-                        out.write(chunk)
+        with temporary_beside(dest) as tmp:
+            try:
+                with open(tmp, "wb") as out:
+                    async with self._http.stream("GET", target) as response:
+                        if response.status_code >= 400:
+                            await response.aread()
+                        _check(response, f"GET {url}")
+                        async for chunk in response.aiter_bytes(1 << 20):
+                            size += len(chunk)
+                            if size > max_bytes:
+                                raise ServiceError(f"GET {url}: the artifact exceeds {max_bytes} "
+                                                   f"bytes")
+                            digest.update(chunk)
+                            out.write(chunk)
+            except httpx.HTTPError as exc:
+                raise ServiceError(f"GET {url}: {type(exc).__name__}: {exc}") from exc
             if sha256 is not None and digest.hexdigest() != sha256:
                 raise ServiceError(f"GET {url}: the artifact's sha256 is {digest.hexdigest()}, "
                                    f"expected {sha256}")
             os.replace(tmp, dest)
-        except httpx.HTTPError as exc:
-            raise ServiceError(f"GET {url}: {type(exc).__name__}: {exc}") from exc
-        finally:
-            Path(tmp).unlink(missing_ok=True)
         return dest
 
     async def close(self) -> None:

@@ -6,11 +6,11 @@ import hashlib
 import os
 import shutil
 import signal
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 from device_agents.backends import CommandTimeout, DeviceBackend, DeviceError
+from kiln.files import temporary_beside
 
 
 class LocalBackend(DeviceBackend):
@@ -24,17 +24,13 @@ class LocalBackend(DeviceBackend):
 
     async def push(self, local_path: str, remote_path: str, mode: int = 0o644) -> None:
         dest = Path(remote_path)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
-        os.close(fd)
         try:
-            await asyncio.to_thread(shutil.copyfile, local_path, tmp)
-            os.chmod(tmp, mode)
-            os.replace(tmp, dest)
+            with temporary_beside(dest) as tmp:
+                await asyncio.to_thread(shutil.copyfile, local_path, tmp)
+                os.chmod(tmp, mode)
+                os.replace(tmp, dest)
         except OSError as exc:
             raise DeviceError(f"{self.name}: cannot copy {local_path} to {dest}: {exc}") from exc
-        finally:
-            Path(tmp).unlink(missing_ok=True)
 
     async def run(self, argv: list[str], timeout: float) -> tuple[int, str, str]:
         try:
