@@ -69,8 +69,7 @@ class _ReportingStore:
         estimate = self.store.latency(graph, op_ids)
         self.lookups += 1
         kinds = "+".join(dict.fromkeys(graph.op_by_id[o].op_type for o in op_ids))
-        self.on_progress("plan", self.lookups, 0, f"latency of {kinds} ({len(op_ids)} ops): "
-                                                  f"{estimate.source}")
+        self.on_progress("plan", self.lookups, 0, f"{kinds} ({len(op_ids)} ops): {estimate.source}")
         return estimate
 
     def record(self, *args, **kwargs) -> None:
