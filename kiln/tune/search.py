@@ -40,7 +40,7 @@ from kiln.runtime.toolchain import BuildCache, compiler_for
 from kiln.signature import kernel_signature
 from kiln.target import Target, host_target
 from kiln.tune import space
-from kiln.tune.harness import Candidate, Harness
+from kiln.measure.harness import Candidate, Harness
 from kiln.tune.report import format_seconds
 
 TUNE_MODES = ("off", "quick", "full")

@@ -238,7 +238,7 @@ class _Child:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         self.process = subprocess.Popen(
-            [sys.executable, "-c", "from kiln.tune.harness import _serve; _serve()"],
+            [sys.executable, "-c", "from kiln.measure.harness import _serve; _serve()"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
 
     def ask(self, job: dict[str, Any], deadline: float) -> dict[str, Any]:
