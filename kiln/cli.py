@@ -166,10 +166,11 @@ class _RichProgress:
     def progress(self, stage: str, done: int, total: int, what: str) -> None:
         if self.task is None:
             self.stage(stage)
-        noun = "measuring kernel" if stage == "tune" else "latency lookup"
+        from rich.markup import escape
+
+        noun = "measuring kernels" if stage == "tune" else "latency lookups"
         self.bar.update(self.task, completed=done, total=total or None,
-                        description=f"{stage}: {noun} {done}{f'/{total}' if total else ''} "
-                                    f"[dim]{what[:60]}[/dim]")
+                        description=f"{stage}: {noun} [dim]{escape(what[:60])}[/dim]")
 
 
 def progress_view() -> _PlainProgress | _RichProgress:
