@@ -25,7 +25,7 @@ import hashlib
 import io
 import json
 import re
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Annotated, Literal
 
 from pydantic import (
@@ -37,7 +37,13 @@ from pydantic import (
     field_validator,
 )
 
-from kiln.cpuinfo import TEXT_LIMIT, isa_features, normalize_arch, parse_cpuinfo
+from kiln.cpuinfo import (
+    TEXT_LIMIT,
+    isa_features,
+    normalize_arch,
+    parse_caches,
+    parse_cpuinfo,
+)
 from kiln.cpuinfo import clean_text as _clean
 from kiln.cpuinfo import parse_int as _int
 from kiln.profile.machine import ISA_FEATURES, static_fingerprint
@@ -154,33 +160,6 @@ def parse_possible(text: str) -> list[int]:
             continue
         cpus.extend(range(a, min(b, a + MAX_CPUS - 1) + 1))
     return sorted(set(cpus))[:MAX_CPUS]
-
-
-def parse_size(text: str | None) -> int | None:
-    """A sysfs cache size ("48K", "1024K", "32M") in bytes."""
-    if not text:
-        return None
-    match = re.fullmatch(r"(\d+)\s*([KMG]?)i?B?", text.strip(), re.IGNORECASE)
-    if not match:
-        return None
-    return int(match.group(1)) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[
-        match.group(2).upper()]
-
-
-def parse_caches(entries: Iterable[tuple[str | None, str | None, str | None]]) -> dict:
-    """cpu0's sysfs cache entries (level, type, size texts) -> l1d/l1i/l2/l3 sizes in bytes."""
-    sizes: dict[str, int] = {}
-    for level, kind, size in entries:
-        lvl, parsed, kind = _int(level), parse_size(size), (kind or "").strip()
-        if lvl is None or parsed is None:
-            continue
-        if lvl == 1 and kind == "Instruction":
-            sizes["l1i_bytes"] = parsed
-        elif lvl == 1 and kind in ("Data", "Unified"):
-            sizes["l1d_bytes"] = parsed
-        elif lvl in (2, 3) and kind != "Instruction":
-            sizes[f"l{lvl}_bytes"] = parsed
-    return sizes
 
 
 def parse_cpufreq(files: Mapping[str, str]) -> dict:

@@ -1,11 +1,12 @@
-"""/proc/cpuinfo: the one parser of it, for this machine (kiln.target, kiln.profile.machine) and
-for the devices a device agent reads it from.
+"""/proc/cpuinfo and sysfs cache sizes: the one parser of each, for this machine (kiln.target,
+kiln.profile.machine) and for the devices a device agent reads them from.
 
 Both layouts are understood: x86 (`model name`, `flags`) and Arm (`Features`, `CPU implementer`
 and `CPU part`, which name the cores, and on older kernels a `Hardware` line).
 """
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -134,6 +135,33 @@ def normalize_arch(machine: str) -> str:
     return ARCH_ALIASES.get(machine, machine)
 
 
+def parse_size(text: str | None) -> int | None:
+    """A sysfs cache size ("48K", "1024K", "32M") in bytes."""
+    if not text:
+        return None
+    match = re.fullmatch(r"(\d+)\s*([KMG]?)i?B?", text.strip(), re.IGNORECASE)
+    if not match:
+        return None
+    return int(match.group(1)) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[
+        match.group(2).upper()]
+
+
+def parse_caches(entries: Iterable[tuple[str | None, str | None, str | None]]) -> dict:
+    """cpu0's sysfs cache entries (level, type, size texts) -> l1d/l1i/l2/l3 sizes in bytes."""
+    sizes: dict[str, int] = {}
+    for level, kind, size in entries:
+        lvl, parsed, kind = parse_int(level), parse_size(size), (kind or "").strip()
+        if lvl is None or parsed is None:
+            continue
+        if lvl == 1 and kind == "Instruction":
+            sizes["l1i_bytes"] = parsed
+        elif lvl == 1 and kind in ("Data", "Unified"):
+            sizes["l1d_bytes"] = parsed
+        elif lvl in (2, 3) and kind != "Instruction":
+            sizes[f"l{lvl}_bytes"] = parsed
+    return sizes
+
+
 def host_cpuinfo() -> dict:
     """`parse_cpuinfo` of this machine's /proc/cpuinfo (empty facts where it cannot be read)."""
     try:
@@ -141,3 +169,21 @@ def host_cpuinfo() -> dict:
     except OSError:
         text = ""
     return parse_cpuinfo(text)
+
+
+def host_caches() -> dict:
+    """`parse_caches` of this machine's cpu0 (sizes that cannot be read are left out)."""
+    base = Path("/sys/devices/system/cpu/cpu0/cache")
+    try:
+        entries = sorted(base.glob("index*"))
+    except OSError:
+        entries = []
+    return parse_caches(tuple(_read(entry / name) for name in ("level", "type", "size"))
+                        for entry in entries)
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return None

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from kiln.cpuinfo import host_cpuinfo
+from kiln.cpuinfo import host_caches, host_cpuinfo
 from kiln.files import cache_dir, write_atomic
 
 CACHE_VERSION = 1
@@ -108,31 +108,6 @@ def _isa(flags: set[str], arch: str) -> tuple[str, ...]:
     return tuple(sorted(found))
 
 
-def _parse_size(text: str) -> int | None:
-    text = text.strip().upper()
-    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-    digits = text.rstrip("KMG")
-    return int(digits) * scale if digits.isdigit() else None
-
-
-def _caches() -> tuple[int | None, int | None, int | None]:
-    """L1d, L2 and L3 sizes in bytes of cpu0's caches, from sysfs; None where unreadable."""
-    sizes: dict[int, int] = {}
-    base = Path("/sys/devices/system/cpu/cpu0/cache")
-    try:
-        entries = sorted(base.glob("index*"))
-    except OSError:
-        entries = []
-    for entry in entries:
-        level, kind, size = (_read(entry / n) for n in ("level", "type", "size"))
-        if not (level and kind and size) or kind.strip() == "Instruction":
-            continue
-        parsed = _parse_size(size)
-        if level.strip().isdigit() and parsed:
-            sizes[int(level)] = parsed
-    return sizes.get(1), sizes.get(2), sizes.get(3)
-
-
 def static_facts() -> dict[str, Any]:
     """The static facts (no measurement) and their fingerprint."""
     cpu = host_cpuinfo()
@@ -144,7 +119,9 @@ def static_facts() -> dict[str, Any]:
         "isa": _isa(flags, arch),
         "arch": arch,
     }
-    facts["l1d_bytes"], facts["l2_bytes"], facts["l3_bytes"] = _caches()
+    caches = host_caches()
+    facts["l1d_bytes"], facts["l2_bytes"], facts["l3_bytes"] = (
+        caches.get(f"{level}_bytes") for level in ("l1d", "l2", "l3"))
     facts["fingerprint"] = static_fingerprint(
         facts["cpu_model"], facts["logical_cores"], facts["isa"], facts["l1d_bytes"],
         facts["l2_bytes"], facts["l3_bytes"], facts["arch"])

@@ -7,7 +7,7 @@ import subprocess
 import pytest
 
 from device_agents import facts as f
-from kiln.cpuinfo import parse_cpuinfo
+from kiln.cpuinfo import parse_caches, parse_cpuinfo, parse_size
 from kiln.profile.machine import static_facts
 from tests.device_agents import samples as s
 
@@ -60,9 +60,9 @@ def test_sysfs_cpufreq_caches_and_possible():
     files = s.sysfs_files(s.ARM64_CPUFREQ, s.ARM64_CACHES)
     assert f.parse_cpufreq(files) == {"min_freq_khz": 300000, "max_freq_khz": 2850000}
     assert f.parse_cpufreq({}) == {"min_freq_khz": None, "max_freq_khz": None}
-    assert f.parse_caches(s.X86_CACHES) == {"l1d_bytes": 48 << 10, "l1i_bytes": 32 << 10,
+    assert parse_caches(s.X86_CACHES) == {"l1d_bytes": 48 << 10, "l1i_bytes": 32 << 10,
                                             "l2_bytes": 1 << 20, "l3_bytes": 32 << 20}
-    assert f.parse_size("32M") == 32 << 20 and f.parse_size("garbage") is None
+    assert parse_size("32M") == 32 << 20 and parse_size("garbage") is None
     assert f.parse_possible("0-7\n") == list(range(8))
     assert f.parse_possible("0,2-3") == [0, 2, 3]
 
