@@ -25,7 +25,7 @@ Schedule = dict[str, Any]  # overrides of kiln.codegen.schedule.Schedule, plus t
 @runtime_checkable
 class ProfileStore(Protocol):
     """What the planner and the tuner may ask. A cost model is a store too: it answers
-    `latency`, has no `fallback` and no `schedules`, and refuses `record`."""
+    `latency`, its `fallback` is None and its `schedules` empty, and it refuses `record`."""
 
     # The cost model this store answers from when it has no measurement (None for a cost model
     # itself). The planner compares like with like through it; the tuner weighs blocks with it.
