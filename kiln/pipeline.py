@@ -21,9 +21,9 @@ from kiln.report import fusion_report
 from kiln.rewrite import RewriteResult, rewrite
 from kiln.runtime.artifact import build_artifact
 from kiln.target import target
+from kiln.tune.search import ProgressCallback  # (stage, done, total, what)
 
 StageCallback = Callable[[str], None]
-ProgressCallback = Callable[[str, int, int, str], None]  # (stage, done, total, what)
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,7 @@ FULL_MIN_SHARE = 0.0005
 MIN_SAMPLES = 1
 MAX_FAILURES_KEPT = 5  # per group in the report: reasons, not an unbounded log
 
-# on_progress(stage, done, total, what): see kiln.pipeline.ProgressCallback
+# on_progress(stage, done, total, what): kiln.pipeline's progress callback (see its docstring)
 ProgressCallback = Callable[[str, int, int, str], None]
 
 
