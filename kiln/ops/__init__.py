@@ -90,6 +90,7 @@ class OpInfo:
     row_locality: RowLocality
     recurrent: bool  # a recurrence over a sequence (its own kernel; stacked layers may share one)
     foldable: bool  # may be evaluated at compile time when its inputs are constant
+    static_value: bool  # its value follows from static shapes and attributes: always folded
     value_flow: ValueFlow
     gather_indices: int | None  # input position holding indices into input 0, if it gathers
     symmetric: bool  # its two operands may be swapped

@@ -390,6 +390,9 @@ _NOT_FOLDABLE = frozenset((
     "RandomNormal RandomUniform RandomNormalLike RandomUniformLike Multinomial Bernoulli "
     "If Loop Scan").split())
 
+# Ops whose value follows from static shapes and attributes alone: the frontend always folds them.
+_STATIC_VALUE = frozenset("Constant Shape Size".split())
+
 # Ops whose output holds (some of) the values of their inputs, unchanged.
 _VALUE_FLOW: dict[str, ValueFlow] = {
     **dict.fromkeys(("Cast Reshape Unsqueeze Squeeze Flatten Identity Expand Transpose Slice Tile "
@@ -517,6 +520,7 @@ def _record(name: str, mapping: MappingRule, flops: FlopRule) -> OpInfo:
         row_locality=_ROW_LOCALITY.get(name, RowLocality.NONE),
         recurrent=name in _RECURRENT,
         foldable=name not in _NOT_FOLDABLE,
+        static_value=name in _STATIC_VALUE,
         value_flow=_VALUE_FLOW.get(name, ValueFlow.NONE),
         gather_indices=_GATHER_INDICES.get(name),
         symmetric=name in _SYMMETRIC,
