@@ -316,7 +316,8 @@ class _Walker:
             return
         if self.try_fold(node, attrs):
             return
-        self.infer(node)  # at the model's opset, before its attributes move to inputs
+        if not all(o in self.values for o in node.output if o):  # try_fold may have inferred them
+            self.infer(node)  # at the model's opset, before its attributes move to inputs
         self.nodes.append(self.attributes_to_inputs(node, attrs))
 
     def drop_pass_through(self, node: onnx.NodeProto) -> bool:
