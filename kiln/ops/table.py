@@ -17,7 +17,8 @@ import onnx
 from kiln.ecg import Graph, Op
 from kiln.mapping import MappingType
 from kiln.ops import (ANY_TEXT, ASSOCIATIVE, COMMUTATIVE, DISTRIBUTIVE, FlopRule, MappingRule,
-                      OpInfo, Pattern, RowLocality, ShapeRule, ValueFlow, register)
+                      OpInfo, Pattern, RowLocality, ShapeRule, ValueFlow, attr_default,
+                      register)
 
 O2O, REO, SHU, O2M, M2M = (
     MappingType.ONE_TO_ONE,
@@ -224,7 +225,7 @@ def _interpolated_axes(op: Op, graph: Graph) -> int:
 
 def _interpolation(op: Op, graph: Graph) -> int:
     """Resize/Upsample/GridSample: a multiply-add per tap, taps^axes per output (nearest: 0)."""
-    taps = _TAPS[op.attrs.get("mode", "linear" if op.op_type == "GridSample" else "nearest")]
+    taps = _TAPS[op.attrs.get("mode", attr_default(op.op_type, "mode", graph.opset))]
     return 0 if taps == 0 else 2 * taps ** _interpolated_axes(op, graph) * _out_numel(op, graph)
 
 
