@@ -74,6 +74,7 @@ def test_every_lowered_op_has_a_complete_record(op_type):
         assert check(getattr(info, name)), f"{op_type}.{name} = {getattr(info, name)!r}"
     assert info.op_type == op_type
     # every string attribute ONNX defines for the op (any opset) lists its allowed values
+    # (test_every_op_lists_its_string_attributes checks the ops without a lowering)
     string_attrs = {name for s in _schema_history(op_type) for name, a in s.attributes.items()
                     if a.type in STRING_TYPES}
     assert set(info.string_attrs) == string_attrs, op_type
@@ -87,6 +88,13 @@ def test_every_lowered_op_has_a_complete_record(op_type):
     for name, position, _, last_opset in info.attributes_now_inputs:
         assert name in onnx.defs.get_schema(op_type, last_opset, "").attributes
         assert position < len(onnx.defs.get_schema(op_type).inputs)
+
+
+def test_every_op_lists_its_string_attributes():
+    for name, info in known_ops().items():
+        string_attrs = {n for s in _schema_history(name) for n, a in s.attributes.items()
+                        if a.type in STRING_TYPES}
+        assert set(info.string_attrs) == string_attrs, name
 
 
 def test_records_agree_with_each_other():

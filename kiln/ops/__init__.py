@@ -95,8 +95,8 @@ class OpInfo:
     gather_indices: int | None  # input position holding indices into input 0, if it gathers
     symmetric: bool  # its two operands may be swapped
     properties: frozenset[str]  # math properties of Table 4 (associative, commutative, ...)
-    # allowed values of each string attribute (ANY_TEXT: any value); string attributes not listed
-    # are not validated (the op has no lowering that reads them)
+    # allowed values of each string attribute ONNX defines for the op, over every opset (ANY_TEXT:
+    # free text, such as an equation)
     string_attrs: Mapping[str, frozenset[str] | None] = field(hash=False)
     shape_rule: ShapeRule
     # parameters older opsets took as attributes and the latest take as inputs:
