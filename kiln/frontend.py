@@ -1,54 +1,36 @@
 """Frontend: an ONNX file → the ECG.
 
-Loads the model (external data confined to the model's folder), checks it, fixes every symbolic
-dimension from caller-supplied shapes, infers static shapes node by node, folds constant
-sub-graphs, drops Identity and inference-time Dropout, and builds the annotated ECG.
+Loads the model (external data confined to the model's folder), inlines its local functions,
+checks it (operators, string attribute values), fixes every symbolic dimension from
+caller-supplied shapes, infers static shapes node by node, folds constant sub-graphs (`kiln.fold`),
+drops Identity and inference-time Dropout, and builds the annotated ECG.
 """
 from __future__ import annotations
 
 import math
-from collections import Counter
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import onnx
+import onnx.inliner
 from google.protobuf.message import DecodeError
 from onnx import helper, numpy_helper, shape_inference
 from onnx.external_data_helper import ExternalDataInfo, load_external_data_for_model, uses_external_data
 
+from kiln import fold
 from kiln import ops as op_table
 from kiln.ecg import Graph, Op, Tensor
 from kiln.errors import ModelError, ShapeError, UnsupportedOpsError
 
 DEFAULT_DOMAINS = ("", "ai.onnx")
 MAX_TENSOR_ELEMENTS = 1 << 31  # larger tensors cannot be indexed with 32-bit offsets
-FOLD_MAX_GROWTH = 4  # a folded constant may be at most this many times its inputs' bytes…
-FOLD_SMALL_BYTES = 1 << 20  # …unless it is below this size
-PASS_THROUGH_OPS = ("Identity", "Dropout")
-FOLD_IR_VERSION = 10  # accepted by every onnxruntime Kiln supports
-NON_FOLDABLE_OPS = frozenset({
-    "RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial",
-    "Bernoulli", "If", "Loop", "Scan",
-})
-
-# Parameters that older opsets took as attributes and the latest opsets take as inputs:
-# op type -> [(attribute, input position, numpy dtype, last opset that used the attribute)].
-ATTRIBUTES_NOW_INPUTS: dict[str, list[tuple[str, int, str, int]]] = {
-    "Squeeze": [("axes", 1, "int64", 12)],
-    "Unsqueeze": [("axes", 1, "int64", 12)],
-    "ReduceSum": [("axes", 1, "int64", 12)],
-    **{op: [("axes", 1, "int64", 17)] for op in (
-        "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2",
-        "ReduceLogSum", "ReduceLogSumExp", "ReduceSumSquare")},
-    "Split": [("split", 1, "int64", 12)],
-    "Slice": [("starts", 1, "int64", 9), ("ends", 2, "int64", 9), ("axes", 3, "int64", 9)],
-    "Pad": [("pads", 1, "int64", 10), ("value", 2, "float32", 10)],
-    "Clip": [("min", 1, "float32", 10), ("max", 2, "float32", 10)],
-    "TopK": [("k", 1, "int64", 9)],
-}
+MAX_INLINED_NODES = 1 << 18  # nodes a model may have once its local functions are inlined
+FOLD_IR_VERSION = fold.IR_VERSION  # kiln.runtime.cli reads it here
+# Floating-point types the code generator does not compute in (it computes float32 and float64).
+NARROW_FLOATS = frozenset({"float16", "bfloat16"})
 
 
 @dataclass
@@ -59,6 +41,10 @@ class _Value:
     dtype: str
     shape: tuple[int, ...]
     data: np.ndarray | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
 
 
 # ---------------------------------------------------------------------------------------------
@@ -118,7 +104,7 @@ def check_model(model: onnx.ModelProto) -> int:
     """Check the model and its operators; return the default-domain opset version."""
     opset = next((o.version for o in model.opset_import if o.domain in DEFAULT_DOMAINS), 0)
     if model.functions:
-        model.CopyFrom(onnx.inliner.inline_local_functions(model))
+        inline_functions(model)
     unsupported: dict[str, list[str]] = {}
     for i, node in enumerate(model.graph.node):
         if node.domain not in DEFAULT_DOMAINS or not op_table.is_known(node.op_type):
@@ -126,11 +112,74 @@ def check_model(model: onnx.ModelProto) -> int:
             unsupported.setdefault(key, []).append(node.name or f"#{i}")
     if unsupported:
         raise UnsupportedOpsError(unsupported)
+    for i, node in enumerate(model.graph.node):
+        _check_string_attributes(node, i)
     try:
         onnx.checker.check_model(_skeleton(model))
     except onnx.checker.ValidationError as exc:
         raise ModelError(f"the model fails ONNX's checker: {_first_line(exc)}") from exc
     return opset
+
+
+def inline_functions(model: onnx.ModelProto) -> None:
+    """Replace calls of the model's local functions by their bodies, refusing (before inlining)
+    a model whose inlined graph would exceed `MAX_INLINED_NODES` nodes or whose functions call
+    themselves."""
+    functions = {(f.domain, f.name, f.overload): f for f in model.functions}
+    sizes: dict[tuple[str, str, str], int] = {}
+    calling: list[tuple[str, str, str]] = []
+
+    def size(nodes: Sequence[onnx.NodeProto]) -> int:
+        total = 0
+        for node in nodes:
+            key = (node.domain, node.op_type, node.overload)
+            total += function_size(key) if key in functions else 1
+            total += sum(size(g.node) for g in _subgraphs(node))
+            if total > MAX_INLINED_NODES:
+                break  # already too large: the caller reports it
+        return total
+
+    def function_size(key: tuple[str, str, str]) -> int:
+        if key in calling:
+            chain = " → ".join(k[1] for k in calling[calling.index(key):] + [key])
+            raise ModelError(f"local function {key[1]!r} calls itself ({chain})")
+        if key not in sizes:
+            calling.append(key)
+            sizes[key] = size(functions[key].node)
+            calling.pop()
+        return sizes[key]
+
+    total = size(model.graph.node)
+    if total > MAX_INLINED_NODES:
+        raise ModelError(f"the model's local functions inline to more than {MAX_INLINED_NODES} "
+                         f"nodes; Kiln refuses graphs this large")
+    try:
+        model.CopyFrom(onnx.inliner.inline_local_functions(model))
+    except Exception as exc:  # onnx raises several exception types on malformed functions
+        raise ModelError(f"could not inline the model's local functions: {_first_line(exc)}") from exc
+
+
+def _subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
+    for attr in node.attribute:
+        if attr.type == onnx.AttributeProto.GRAPH:
+            yield attr.g
+        elif attr.type == onnx.AttributeProto.GRAPHS:
+            yield from attr.graphs
+
+
+def _check_string_attributes(node: onnx.NodeProto, index: int) -> None:
+    """A string attribute must have one of the values the op's record allows."""
+    info = op_table.op_info(node.op_type)
+    for attr in node.attribute:
+        if attr.type not in (onnx.AttributeProto.STRING, onnx.AttributeProto.STRINGS):
+            continue
+        value = helper.get_attribute_value(attr)
+        values = value if isinstance(value, list) else [value]
+        bad = info.invalid_string_attr(attr.name, [v.decode("utf-8", "replace") for v in values])
+        if bad is not None:
+            allowed = ", ".join(sorted(info.string_attrs[attr.name]))
+            raise ModelError(f"{node.op_type} node {node.name or f'#{index}'!r}: attribute "
+                             f"{attr.name} has an unknown value {bad[:80]!r}; allowed: {allowed}")
 
 
 def _skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -260,34 +309,27 @@ class _Walker:
 
     def visit(self, node: onnx.NodeProto) -> None:
         attrs = _normalize_attrs(node, self.opset)
-        if node.op_type == "Constant":
-            self.add_constant(node.output[0], _constant_value(node))
-            return
         inputs = [self.resolve(i) if i else "" for i in node.input]
         node = _with_named_outputs(_with_inputs(node, inputs))
-        if node.op_type in PASS_THROUGH_OPS and self.passes_through(node, attrs):
+        passes_through = _PASS_THROUGH.get(node.op_type)
+        if passes_through is not None and passes_through(self, node, attrs):
             return
-        if self.try_fold(node):
+        if self.try_fold(node, attrs):
             return
-        self.infer(node)  # at the model's opset, before its attributes move to inputs
+        if not all(o in self.values for o in node.output if o):  # try_fold may have inferred them
+            self.infer(node)  # at the model's opset, before its attributes move to inputs
         self.nodes.append(self.attributes_to_inputs(node, attrs))
 
-    def passes_through(self, node: onnx.NodeProto, attrs: dict[str, Any]) -> bool:
-        if node.op_type == "Dropout" and attrs.get("training_mode_input", False):
-            return False
+    def drop_pass_through(self, node: onnx.NodeProto) -> bool:
+        """Drop an op that passes its first input through: its output becomes an alias."""
         if node.output[0] in self.model_outputs and self.names_a_model_value(node.input[0]):
             return False  # dropping it would give one tensor two of the model's names
-        if node.op_type == "Dropout" and len(node.input) > 2 and node.input[2]:
-            mode = self.value(node.input[2]).data
-            if mode is None or bool(np.asarray(mode).item()):
-                return False
         self.alias[node.output[0]] = node.input[0]
-        if node.op_type == "Dropout" and len(node.output) > 1 and node.output[1]:
-            self.add_constant(node.output[1], np.ones(self.value(node.input[0]).shape, dtype=bool))
         return True
 
     def attributes_to_inputs(self, node: onnx.NodeProto, attrs: dict[str, Any]):
-        moves = [m for m in ATTRIBUTES_NOW_INPUTS.get(node.op_type, []) if self.opset <= m[3]]
+        moves = [m for m in op_table.op_info(node.op_type).attributes_now_inputs
+                 if self.opset <= m[3]]
         if not moves or not any(name in attrs for name, *_ in moves):
             return node, attrs
         inputs = list(node.input)
@@ -300,28 +342,39 @@ class _Walker:
             inputs[position] = const_name
         return _with_inputs(node, inputs), attrs
 
-    def try_fold(self, node: onnx.NodeProto) -> bool:
-        if node.op_type in NON_FOLDABLE_OPS:
+    def try_fold(self, node: onnx.NodeProto, attrs: dict[str, Any]) -> bool:
+        """Evaluate the node now if its inputs are constant and its result is worth storing.
+
+        The result's size comes from shape inference before anything is evaluated; only when
+        inference cannot tell (a data-dependent shape) is the node evaluated first, as its
+        output is then bounded by its inputs."""
+        if not fold.foldable(node.op_type):
             return False
-        present = [i for i in node.input if i]
-        if node.op_type in ("Shape", "Size"):
-            data = _shape_or_size(node, self.value(node.input[0]).shape, self.opset)
-            self.add_constant(node.output[0], data)
+        from_shape = _FROM_SHAPE.get(node.op_type)
+        if from_shape is not None:
+            self.add_constant(node.output[0], from_shape(self.value(node.input[0]).shape, attrs))
             return True
+        present = [i for i in node.input if i]
         if not all(self.value(i).data is not None for i in present):
             return False
-        results = _evaluate(node, [self.value(i).data if i else None for i in node.input],
-                            self.opset)
-        in_bytes = sum(self.value(i).data.nbytes for i in present)
-        out_bytes = sum(r.nbytes for r in results)
-        if out_bytes > FOLD_SMALL_BYTES and out_bytes > FOLD_MAX_GROWTH * in_bytes:
-            return False  # e.g. a constant Expand to a huge shape: cheaper to compute than store
+        in_bytes = (sum(self.value(i).data.nbytes for i in present)
+                    + sum(v.nbytes for v in attrs.values() if isinstance(v, np.ndarray)))
+        if self.infer(node, static_only=False):
+            out_bytes = sum(self.value(o).nbytes for o in node.output)
+            if not fold.worth_storing(out_bytes, in_bytes):
+                return False
+        results = fold.evaluate(node, [self.value(i).data if i else None for i in node.input],
+                                self.opset)
+        if not fold.worth_storing(sum(r.nbytes for r in results), in_bytes):
+            return False
         for name, data in zip(node.output, results):
             if name:
                 self.add_constant(name, data)
         return True
 
-    def infer(self, node: onnx.NodeProto) -> None:
+    def infer(self, node: onnx.NodeProto, static_only: bool = True) -> bool:
+        """Infer the node's output types; False (with `static_only` off) when inference fails or
+        gives a shape that depends on run-time values. Too large an output always raises."""
         types, data = {}, {}
         for name in node.input:
             if not name:
@@ -336,11 +389,59 @@ class _Walker:
             out_types = shape_inference.infer_node_outputs(
                 schema, node, types, data, opset_imports=[helper.make_opsetid("", self.opset)])
         except Exception as exc:  # onnx raises several exception types for inference failures
+            if not static_only:
+                return False
             raise ShapeError(f"shape inference failed at {node.op_type} node "
                              f"{node.name or node.output[0]!r}: {_first_line(exc)}") from exc
-        for name in node.output:
-            if name:
-                self.values[name] = _value_from_type(name, out_types.get(name), node)
+        values = [_value_from_type(name, out_types.get(name), node, static_only)
+                  for name in node.output if name]
+        if any(v is None for v in values):
+            return False
+        self.values.update((v.name, v) for v in values)
+        return True
+
+
+def _drop_identity(walker: _Walker, node: onnx.NodeProto, attrs: dict[str, Any]) -> bool:
+    return walker.drop_pass_through(node)
+
+
+def _drop_dropout(walker: _Walker, node: onnx.NodeProto, attrs: dict[str, Any]) -> bool:
+    """Dropout at inference (no training mode, or a constant false one) is the identity; its mask
+    output, if used, is all ones."""
+    if attrs.get("training_mode_input", False):
+        return False
+    if len(node.input) > 2 and node.input[2]:
+        mode = walker.value(node.input[2]).data
+        if mode is None or bool(np.asarray(mode).item()):
+            return False
+    if not walker.drop_pass_through(node):
+        return False
+    if len(node.output) > 1 and node.output[1]:
+        walker.add_constant(node.output[1], np.ones(walker.value(node.input[0]).shape, dtype=bool))
+    return True
+
+
+# Ops that pass their input through at inference time, each with the test of when it does.
+_PASS_THROUGH: dict[str, Callable[[_Walker, onnx.NodeProto, dict[str, Any]], bool]] = {
+    "Identity": _drop_identity,
+    "Dropout": _drop_dropout,
+}
+
+
+def _shape_of(shape: tuple[int, ...], attrs: dict[str, Any]) -> np.ndarray:
+    start, end = attrs.get("start", 0), attrs.get("end", len(shape))
+    return np.asarray(shape[slice(start, end)], dtype=np.int64)
+
+
+def _size_of(shape: tuple[int, ...], attrs: dict[str, Any]) -> np.ndarray:
+    return np.asarray(math.prod(shape), dtype=np.int64)
+
+
+# Ops whose value follows from their input's (static) shape alone.
+_FROM_SHAPE: dict[str, Callable[[tuple[int, ...], dict[str, Any]], np.ndarray]] = {
+    "Shape": _shape_of,
+    "Size": _size_of,
+}
 
 
 def _initializer_array(tensor: onnx.TensorProto) -> np.ndarray:
@@ -381,16 +482,26 @@ def _with_named_outputs(node: onnx.NodeProto) -> onnx.NodeProto:
     return copy
 
 
-def _value_from_type(name: str, ttype: onnx.TypeProto | None, node: onnx.NodeProto) -> _Value:
+def _value_from_type(name: str, ttype: onnx.TypeProto | None, node: onnx.NodeProto,
+                     static_only: bool = True) -> _Value | None:
+    """The inferred value of output `name`: None (with `static_only` off) when its shape is not
+    static; a ShapeError when it is too large."""
     where = f"output {name!r} of {node.op_type} node {node.name or name!r}"
-    if ttype is None or not ttype.HasField("tensor_type"):
-        raise ShapeError(f"could not infer the type of {where}")
-    tt = ttype.tensor_type
-    if not tt.HasField("shape") or any(not d.HasField("dim_value") for d in tt.shape.dim):
+    static = (ttype is not None and ttype.HasField("tensor_type")
+              and ttype.tensor_type.HasField("shape")
+              and all(d.HasField("dim_value") for d in ttype.tensor_type.shape.dim))
+    if not static:
+        if not static_only:
+            return None
+        if ttype is None or not ttype.HasField("tensor_type"):
+            raise ShapeError(f"could not infer the type of {where}")
         raise ShapeError(f"could not infer a static shape for {where}; its shape depends on "
                          f"run-time values")
+    tt = ttype.tensor_type
     shape = tuple(d.dim_value for d in tt.shape.dim)
-    _check_size(name, shape)
+    if math.prod(shape) > MAX_TENSOR_ELEMENTS:
+        raise ShapeError(f"{where} would have shape {shape}: {math.prod(shape)} elements, more "
+                         f"than {MAX_TENSOR_ELEMENTS}")
     return _Value(name, _np_dtype(tt.elem_type, where), shape)
 
 
@@ -406,58 +517,6 @@ def _normalize_attrs(node: onnx.NodeProto, opset: int) -> dict[str, Any]:
             value = [v.decode("utf-8", "replace") for v in value]
         attrs[a.name] = value
     return attrs
-
-
-def _constant_value(node: onnx.NodeProto) -> np.ndarray:
-    return _evaluate(node, [], 0)[0]
-
-
-def _shape_or_size(node: onnx.NodeProto, shape: tuple[int, ...], opset: int) -> np.ndarray:
-    if node.op_type == "Size":
-        return np.asarray(math.prod(shape), dtype=np.int64)
-    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    start, end = attrs.get("start", 0), attrs.get("end", len(shape))
-    return np.asarray(shape[slice(start, end)], dtype=np.int64)
-
-
-def _evaluate(node: onnx.NodeProto, inputs: list[np.ndarray | None], opset: int) -> list[np.ndarray]:
-    """Run one node on constant inputs (constant folding): onnxruntime, else onnx's reference."""
-    names = [f"in{i}" if x is not None else "" for i, x in enumerate(inputs)]
-    copy = onnx.NodeProto()
-    copy.CopyFrom(node)
-    del copy.input[:]
-    copy.input.extend(names)
-    del copy.output[:]
-    copy.output.extend(f"out{i}" if o else "" for i, o in enumerate(node.output))
-    graph = helper.make_graph(
-        [copy], "fold",
-        [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(x.dtype), x.shape)
-         for n, x in zip(names, inputs) if n],
-        [onnx.ValueInfoProto(name=o) for o in copy.output if o])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset or 21)],
-                              ir_version=FOLD_IR_VERSION)
-    feeds = {n: x for n, x in zip(names, inputs) if n}
-    try:
-        return _run_onnxruntime(model, feeds)
-    except Exception:  # an op or type onnxruntime lacks: the reference evaluator may have it
-        pass
-    try:
-        from onnx.reference import ReferenceEvaluator
-        return [np.asarray(r) for r in ReferenceEvaluator(model).run(None, feeds)]
-    except Exception as exc:  # the reference ops raise arbitrary exceptions on bad constants
-        raise ModelError(f"could not fold constant {node.op_type} node "
-                         f"{node.name or node.output[0]!r}: {_first_line(exc)}") from exc
-
-
-def _run_onnxruntime(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-    import onnxruntime
-
-    options = onnxruntime.SessionOptions()
-    options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL
-    options.log_severity_level = 4
-    session = onnxruntime.InferenceSession(model.SerializeToString(), options,
-                                           providers=["CPUExecutionProvider"])
-    return [np.asarray(r) for r in session.run(None, feeds)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -517,11 +576,22 @@ def build(model: onnx.ModelProto, shapes: Mapping[str, Sequence[int]], name: str
     inputs = input_values(model, shapes)
     walker = _Walker(model, opset)
     walker.walk(inputs)
-    return build_graph(walker, inputs, name)
+    graph = build_graph(walker, inputs, name)
+    _check_computable_dtypes(graph)
+    return graph
 
 
-def op_histogram(graph: Graph) -> Counter:
-    return Counter(op.op_type for op in graph.ops)
+def _check_computable_dtypes(graph: Graph) -> None:
+    """Refuse a model that computes in a floating-point type Kiln does not generate code for
+    (constants of that type folded away, e.g. float16 weights cast to float32, are fine)."""
+    used = [*graph.inputs, *graph.outputs,
+            *(t for op in graph.ops for t in (*op.present_inputs(), *op.outputs))]
+    for tid in dict.fromkeys(used):
+        tensor = graph.tensors[tid]
+        if tensor.dtype in NARROW_FLOATS:
+            raise ModelError(f"{tensor.dtype} is not supported: tensor "
+                             f"{tensor.source_name or tid!r} is {tensor.dtype}; Kiln computes in "
+                             f"float32 and float64 (convert the model to float32)")
 
 
 def parse_shape_arg(text: str) -> tuple[str, tuple[int, ...]]:

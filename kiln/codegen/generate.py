@@ -28,11 +28,12 @@ from kiln.codegen.ops import registered
 from kiln.codegen.schedule import DEFAULT_SCHEDULE, Schedule
 from kiln.ecg import Graph
 from kiln.errors import UnsupportedOpsError
+from kiln.ops import known_ops
 from kiln.plan import Block, FusionPlan
 from kiln.target import Target
 
 # Ops the frontend always resolves before code generation (static shapes make them constants).
-RESOLVED_BY_FRONTEND = frozenset({"Constant", "Shape", "Size"})
+RESOLVED_BY_FRONTEND = frozenset(name for name, info in known_ops().items() if info.static_value)
 
 
 def supported_ops() -> frozenset[str]:

@@ -58,7 +58,6 @@ SCRATCH_ALIGN = 64
 MAX_ATTEMPTS = 256
 RENAMED_PREFIXES = {"t": "tt", "v": "vv"}  # t12 is a tensor id, v3 an emitter temporary
 MAX_KEPT_ROW = 4096  # a row's phase values kept on the stack: up to 16 KiB of float32
-FLAT_PRESERVING = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity"})
 
 
 class NeedsBuffer(Exception):

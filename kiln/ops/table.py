@@ -1,20 +1,24 @@
-"""Every operator of the default ONNX domain, registered with its mapping type, compute intensity,
-math properties, FLOP count and opacity (see `kiln.ops.OpInfo`).
+"""Every operator of the default ONNX domain, registered with its record (`kiln.ops.OpInfo`).
 
 The table is data-driven: `_TABLE` lists op families (names sharing one mapping rule and one FLOP
 rule), and the sets below it mark the ops Table 2 of DNNFusion lists, the compute-intensive layers
-(CIL of Table 5), the opaque ops and the math properties. Ops Table 2 does not list are classified
-by §3.1's definitions of the five mapping types.
+(CIL of Table 5), the opaque ops, the math properties and every other fact a pass asks about an
+op. Ops Table 2 does not list are classified by §3.1's definitions of the five mapping types.
+These sets are the only lists of op names that decide a property; `_record` turns them into one
+record per op.
 """
 from __future__ import annotations
 
 import math
 
 import numpy as np
+import onnx
 
 from kiln.ecg import Graph, Op
 from kiln.mapping import MappingType
-from kiln.ops import ASSOCIATIVE, COMMUTATIVE, DISTRIBUTIVE, FlopRule, MappingRule, OpInfo, register
+from kiln.ops import (ANY_TEXT, ASSOCIATIVE, COMMUTATIVE, DISTRIBUTIVE, FlopRule, MappingRule,
+                      OpInfo, Pattern, RowLocality, ShapeRule, ValueFlow, attr_default,
+                      register)
 
 O2O, REO, SHU, O2M, M2M = (
     MappingType.ONE_TO_ONE,
@@ -23,6 +27,8 @@ O2O, REO, SHU, O2M, M2M = (
     MappingType.ONE_TO_MANY,
     MappingType.MANY_TO_MANY,
 )
+
+_ONNX_TYPE_NAMES = tuple(onnx.TensorProto.DataType.keys())
 
 # --- per-element costs (FLOPs) -----------------------------------------------------------------
 _ARITH = 1  # add, mul, compare, select, min/max, logic, rounding, relu-like
@@ -219,7 +225,7 @@ def _interpolated_axes(op: Op, graph: Graph) -> int:
 
 def _interpolation(op: Op, graph: Graph) -> int:
     """Resize/Upsample/GridSample: a multiply-add per tap, taps^axes per output (nearest: 0)."""
-    taps = _TAPS[op.attrs.get("mode", "linear" if op.op_type == "GridSample" else "nearest")]
+    taps = _TAPS[op.attrs.get("mode", attr_default(op.op_type, "mode", graph.opset))]
     return 0 if taps == 0 else 2 * taps ** _interpolated_axes(op, graph) * _out_numel(op, graph)
 
 
@@ -363,18 +369,175 @@ _PROPERTIES: dict[str, frozenset[str]] = {
 }
 
 
+# TVM's injective ops: pure data movement (a reshape, a slice, a gather, padding, resizing).
+_INJECTIVE = frozenset((
+    "Reshape Flatten Squeeze Unsqueeze Transpose Slice Concat Split Gather GatherElements GatherND "
+    "Expand Tile Pad DepthToSpace SpaceToDepth Resize Upsample ReverseSequence").split())
+
+_RECURRENT = frozenset("LSTM GRU RNN".split())
+
+# Row-local ops (see `RowLocality`): contractions whose B operand is read whole by every row,
+# reductions over trailing axes, softmax over the last axis, LayerNormalization from its axis.
+_ROW_LOCALITY: dict[str, RowLocality] = {
+    **dict.fromkeys("MatMul Gemm".split(), RowLocality.MATRIX_ROWS),
+    **dict.fromkeys(("ReduceMean ReduceSum ReduceMax ReduceMin ReduceProd ReduceSumSquare ReduceL1 "
+                     "ReduceL2 ReduceLogSum ReduceLogSumExp").split(), RowLocality.REDUCED_AXES),
+    **dict.fromkeys("Softmax LogSoftmax".split(), RowLocality.LAST_AXIS),
+    "LayerNormalization": RowLocality.FROM_AXIS,
+}
+
+# Never evaluated at compile time: random generators and control flow.
+_NOT_FOLDABLE = frozenset((
+    "RandomNormal RandomUniform RandomNormalLike RandomUniformLike Multinomial Bernoulli "
+    "If Loop Scan").split())
+
+# Ops whose value follows from static shapes and attributes alone: the frontend always folds them.
+_STATIC_VALUE = frozenset("Constant Shape Size".split())
+
+# Ops whose output holds (some of) the values of their inputs, unchanged.
+_VALUE_FLOW: dict[str, ValueFlow] = {
+    **dict.fromkeys(("Cast Reshape Unsqueeze Squeeze Flatten Identity Expand Transpose Slice Tile "
+                     "Split Gather GatherElements Pad").split(), ValueFlow.FIRST_INPUT),
+    "Concat": ValueFlow.EVERY_INPUT,
+}
+
+# Ops whose second input indexes their first (the extent indexed bounds valid random indices).
+_GATHER_INDICES: dict[str, int] = dict.fromkeys("Gather GatherElements GatherND".split(), 1)
+
+# Binary ops whose two operands may be swapped.
+_SYMMETRIC = frozenset((
+    "Add Mul Max Min Sum Mean And Or Xor BitwiseAnd BitwiseOr BitwiseXor Equal").split())
+
+# The values ONNX defines for each string attribute, over every opset.
+_AUTO_PAD = frozenset({"NOTSET", "SAME_UPPER", "SAME_LOWER", "VALID"})
+_RNN_ATTRS = {
+    "direction": frozenset({"forward", "reverse", "bidirectional"}),
+    "activations": frozenset({"Relu", "Tanh", "Sigmoid", "Affine", "LeakyRelu", "ThresholdedRelu",
+                              "ScaledTanh", "HardSigmoid", "Elu", "Softsign", "Softplus"}),
+}
+_LOSS_REDUCTION = {"reduction": frozenset({"none", "sum", "mean"})}
+_SCATTER_REDUCTION = {"reduction": frozenset({"none", "add", "mul", "max", "min"})}
+_ROUND_MODE = frozenset({"up", "down", "nearest"})
+_PIXEL_ORDER = {"mode": frozenset({"DCR", "CRD"})}
+_STRING_ATTRS: dict[str, dict[str, frozenset[str] | None]] = {
+    **dict.fromkeys(
+        "Conv ConvInteger ConvTranspose QLinearConv AveragePool MaxPool LpPool".split(),
+        {"auto_pad": _AUTO_PAD}),
+    **dict.fromkeys(_RECURRENT, _RNN_ATTRS),
+    **dict.fromkeys("NegativeLogLikelihoodLoss SoftmaxCrossEntropyLoss".split(), _LOSS_REDUCTION),
+    **dict.fromkeys("ScatterElements ScatterND".split(), _SCATTER_REDUCTION),
+    **dict.fromkeys("DepthToSpace SpaceToDepth".split(), _PIXEL_ORDER),
+    # opset 1 named the target type as a string
+    "Cast": {"to": frozenset(_ONNX_TYPE_NAMES), "round_mode": _ROUND_MODE},
+    "CastLike": {"round_mode": _ROUND_MODE},
+    "BitShift": {"direction": frozenset({"LEFT", "RIGHT"})},
+    "Gelu": {"approximate": frozenset({"none", "tanh"})},
+    "Einsum": {"equation": ANY_TEXT},
+    "Pad": {"mode": frozenset({"constant", "reflect", "edge", "wrap"})},
+    "Resize": {
+        "mode": frozenset({"nearest", "linear", "cubic"}),
+        "coordinate_transformation_mode": frozenset({
+            "half_pixel", "half_pixel_symmetric", "pytorch_half_pixel", "align_corners",
+            "asymmetric", "tf_half_pixel_for_nn", "tf_crop_and_resize"}),
+        "nearest_mode": frozenset({"round_prefer_floor", "round_prefer_ceil", "floor", "ceil"}),
+        "keep_aspect_ratio_policy": frozenset({"stretch", "not_larger", "not_smaller"}),
+    },
+    "Upsample": {"mode": frozenset({"nearest", "linear", "bilinear"})},
+    "GridSample": {
+        "mode": frozenset({"bilinear", "nearest", "bicubic", "linear", "cubic"}),
+        "padding_mode": frozenset({"zeros", "border", "reflection"}),
+    },
+    "RoiAlign": {"mode": frozenset({"avg", "max"}),
+                 "coordinate_transformation_mode": frozenset({"half_pixel", "output_half_pixel"})},
+    "CausalConvWithState": {"activation": frozenset({"silu", "swish", "none"})},
+    "LinearAttention": {"update_rule": frozenset({"linear", "gated", "delta", "gated_delta"})},
+    "TensorScatter": {"mode": frozenset({"linear", "circular"})},
+    "ImageDecoder": {"pixel_format": frozenset({"RGB", "BGR", "Grayscale"})},
+    "StringNormalizer": {"case_change_action": frozenset({"LOWER", "UPPER", "NONE"}),
+                         "locale": ANY_TEXT, "stopwords": ANY_TEXT},
+    "TfIdfVectorizer": {"mode": frozenset({"TF", "IDF", "TFIDF"}), "pool_strings": ANY_TEXT},
+    "Constant": {"value_string": ANY_TEXT, "value_strings": ANY_TEXT},
+    "RegexFullMatch": {"pattern": ANY_TEXT},
+    "StringSplit": {"delimiter": ANY_TEXT},
+}
+
+# How the rewriter infers the output of an op it creates; every other op: ONNX's inference.
+_SHAPE_RULES: dict[str, ShapeRule] = {
+    **dict.fromkeys((
+        "Abs Neg Relu Sqrt Reciprocal Exp Log Sigmoid Tanh Erf Ceil Floor Round Sign Softplus "
+        "Softsign Atan Asinh Sinh Cos Sin Tan Asin Acos Acosh Atanh Cosh Identity Gelu LeakyRelu Elu "
+        "Selu Celu HardSigmoid HardSwish Mish Softmax LogSoftmax Not BitwiseNot Clip "
+        "LayerNormalization BatchNormalization Dropout Hardmax CumSum").split(),
+        ShapeRule.SAME_AS_FIRST),
+    **dict.fromkeys(("Add Sub Mul Div Pow Max Min Mod BitShift And Or Xor BitwiseAnd BitwiseOr "
+                     "BitwiseXor PRelu Sum Mean").split(), ShapeRule.BROADCAST),
+    **dict.fromkeys("Equal Greater GreaterOrEqual Less LessOrEqual".split(), ShapeRule.COMPARE),
+    **dict.fromkeys(("ReduceSum ReduceMean ReduceMax ReduceMin ReduceProd ReduceL1 ReduceL2 "
+                     "ReduceLogSum ReduceLogSumExp ReduceSumSquare").split(), ShapeRule.REDUCE),
+    **dict.fromkeys("ArgMax ArgMin".split(), ShapeRule.ARG_REDUCE),
+    "Where": ShapeRule.SELECT, "Cast": ShapeRule.CAST, "Transpose": ShapeRule.TRANSPOSE,
+    "Reshape": ShapeRule.RESHAPE, "Expand": ShapeRule.EXPAND, "MatMul": ShapeRule.MATMUL,
+    "Gemm": ShapeRule.GEMM,
+}
+
+
+# Parameters that older opsets took as attributes and the latest opsets take as inputs.
+_AXES_TO_INPUT_12 = (("axes", 1, "int64", 12),)
+_ATTRIBUTES_NOW_INPUTS: dict[str, tuple[tuple[str, int, str, int], ...]] = {
+    "Squeeze": _AXES_TO_INPUT_12,
+    "Unsqueeze": _AXES_TO_INPUT_12,
+    "ReduceSum": _AXES_TO_INPUT_12,
+    **dict.fromkeys(("ReduceMean ReduceMax ReduceMin ReduceProd ReduceL1 ReduceL2 ReduceLogSum "
+                     "ReduceLogSumExp ReduceSumSquare").split(), (("axes", 1, "int64", 17),)),
+    "Split": (("split", 1, "int64", 12),),
+    "Slice": (("starts", 1, "int64", 9), ("ends", 2, "int64", 9), ("axes", 3, "int64", 9)),
+    "Pad": (("pads", 1, "int64", 10), ("value", 2, "float32", 10)),
+    "Clip": (("min", 1, "float32", 10), ("max", 2, "float32", 10)),
+    "TopK": (("k", 1, "int64", 9),),
+}
+
+
+def _pattern(name: str, mapping: MappingRule) -> Pattern:
+    """TVM's pattern kind, from the other facts of the record. An elementwise op that may
+    broadcast is BROADCAST (TVM's kBroadcast), whether or not a given instance does."""
+    if name in _OPAQUE:
+        return Pattern.OPAQUE
+    if name in _COMPUTE_INTENSIVE:
+        return Pattern.ANCHOR
+    if name in _INJECTIVE:
+        return Pattern.INJECTIVE
+    if mapping == M2M:
+        return Pattern.REDUCE
+    return Pattern.ELEMWISE if mapping in (O2O, REO, SHU) else Pattern.BROADCAST
+
+
+def _record(name: str, mapping: MappingRule, flops: FlopRule) -> OpInfo:
+    return OpInfo(
+        op_type=name,
+        mapping=mapping,
+        flops=flops,
+        pattern=_pattern(name, mapping),
+        compute_intensive=name in _COMPUTE_INTENSIVE,
+        row_locality=_ROW_LOCALITY.get(name, RowLocality.NONE),
+        recurrent=name in _RECURRENT,
+        foldable=name not in _NOT_FOLDABLE,
+        static_value=name in _STATIC_VALUE,
+        value_flow=_VALUE_FLOW.get(name, ValueFlow.NONE),
+        gather_indices=_GATHER_INDICES.get(name),
+        symmetric=name in _SYMMETRIC,
+        properties=_PROPERTIES.get(name, frozenset()),
+        string_attrs=_STRING_ATTRS.get(name, {}),
+        shape_rule=_SHAPE_RULES.get(name, ShapeRule.ONNX),
+        attributes_now_inputs=_ATTRIBUTES_NOW_INPUTS.get(name, ()),
+        in_paper=name in _IN_PAPER,
+        opaque=name in _OPAQUE,
+    )
+
+
 def _register_all() -> None:
     for names, mapping, flops in _TABLE:
         for name in names.split():
-            register(OpInfo(
-                op_type=name,
-                mapping=mapping,
-                flops=flops,
-                compute_intensive=name in _COMPUTE_INTENSIVE,
-                properties=_PROPERTIES.get(name, frozenset()),
-                in_paper=name in _IN_PAPER,
-                opaque=name in _OPAQUE,
-            ))
+            register(_record(name, mapping, flops))
 
 
 _register_all()

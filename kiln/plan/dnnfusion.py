@@ -39,7 +39,7 @@ from typing import Iterable
 
 from kiln.ecg import Graph, Op
 from kiln.mapping import MappingType, Verdict, fuse_types
-from kiln.ops import op_info
+from kiln.ops import RowLocality, op_info
 from kiln.plan import Decision, FusionPlan, register_partitioner
 from kiln.plan.blocks import build_plan
 from kiln.profile import Estimate, ProfileStore
@@ -84,7 +84,7 @@ class _Planning:
     def run(self, name: str) -> FusionPlan:
         while (seed := self.next_seed()) is not None:
             self.block, self.mapping = {seed.id}, seed.mapping
-            if not _is_opaque(seed) or seed.op_type in RECURRENT_OPS:
+            if not _is_opaque(seed) or _is_recurrent(seed):
                 for successor in self.graph.successors(seed):
                     self.fuse_successor(successor)
                 for predecessor in self.graph.predecessors(seed):
@@ -155,12 +155,12 @@ class _Planning:
 
     def relaxation(self, op: Op, crossing: list[str]) -> str | None:
         """Why a red pair may still fuse (see the module docstring), or None."""
-        if not self.constraints.relax_red or (_is_opaque(op) and op.op_type not in RECURRENT_OPS):
+        if not self.constraints.relax_red or (_is_opaque(op) and not _is_recurrent(op)):
             return None
         members = self.block | {op.id}
         heavy = [self.graph.op_by_id[i] for i in members
                  if self.graph.op_by_id[i].mapping == MappingType.MANY_TO_MANY]
-        if all(o.op_type in RECURRENT_OPS for o in heavy) and self.recurrent_stack(op):
+        if all(_is_recurrent(o) for o in heavy) and self.recurrent_stack(op):
             return "yellow: stacked recurrent layers"
         spaces = {row_space(self.graph, o, members) for o in heavy}
         if (len(spaces) == 1 and None not in spaces and self.fits_rows(op, spaces.pop())
@@ -182,12 +182,11 @@ class _Planning:
     def recurrent_stack(self, op: Op) -> bool:
         """Would the block plus `op` be recurrent ops and views only, with a recurrent op?"""
         ops = [self.graph.op_by_id[i] for i in self.block] + [op]
-        return (any(o.op_type in RECURRENT_OPS for o in ops)
-                and all(o.op_type in RECURRENT_OPS or o.mapping == MappingType.REORGANIZE
-                        for o in ops))
+        return (any(_is_recurrent(o) for o in ops)
+                and all(_is_recurrent(o) or o.mapping == MappingType.REORGANIZE for o in ops))
 
     def refusal(self, op: Op, verdict: Verdict, creates_cycle: bool) -> str | None:
-        block_recurrent = any(self.graph.op_by_id[i].op_type in RECURRENT_OPS for i in self.block)
+        block_recurrent = any(_is_recurrent(self.graph.op_by_id[i]) for i in self.block)
         stackable = self.constraints.relax_red and self.recurrent_stack(op)
         if (_is_opaque(op) or block_recurrent) and not stackable:
             return f"red: {op.op_type} is opaque" if _is_opaque(op) else "red: recurrent block"
@@ -354,36 +353,22 @@ class _Planning:
         return False
 
 
-RECURRENT_OPS = frozenset({"LSTM", "GRU", "RNN"})
-ROW_REDUCTIONS = frozenset({
-    "ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceSumSquare",
-    "ReduceL1", "ReduceL2", "ReduceLogSum", "ReduceLogSumExp", "Softmax", "LogSoftmax",
-    "LayerNormalization",
-})
-
-
 def row_space(graph: Graph, op: Op, members: set[str]) -> tuple[int, ...] | None:
     """The leading dims over which `op` is row-local, or None.
 
     Row-local: each row of the output (fixed leading indices) depends only on the same row of
     the op's first input and on tensors computed before the block (`members`) starts: a MatMul or
     Gemm whose B operand comes from outside the block, or a reduction/normalization over the
-    trailing axes.
+    trailing axes (the op's record says which, `RowLocality`).
     """
-    if op.op_type in ("MatMul", "Gemm"):
-        a, b = graph.tensors[op.inputs[0]], op.inputs[1]
-        producer = graph.producer(b)
-        if (producer is not None and producer.id in members) or len(a.shape) < 2:
-            return None
-        if op.op_type == "Gemm" and op.attrs.get("transA", 0):
-            return None
-        rows = a.shape[:-1]
-        return rows if graph.tensors[op.outputs[0]].shape[:-1] == rows else None
-    if op.op_type not in ROW_REDUCTIONS:
+    locality = op_info(op.op_type).row_locality
+    if locality is RowLocality.MATRIX_ROWS:
+        return _matrix_rows(graph, op, members)
+    if locality is RowLocality.NONE:
         return None
     shape = graph.tensors[op.inputs[0]].shape
     rank = len(shape)
-    if op.op_type.startswith("Reduce"):
+    if locality is RowLocality.REDUCED_AXES:
         axes_input = op.inputs[1] if len(op.inputs) > 1 else None
         if axes_input is None or not graph.is_constant(axes_input):
             return None
@@ -392,9 +377,21 @@ def row_space(graph: Graph, op: Op, members: set[str]) -> tuple[int, ...] | None
             return None
         return shape[:axes[0]]
     first = int(op.attrs.get("axis", -1)) % rank
-    if op.op_type != "LayerNormalization" and first != rank - 1:
+    if locality is RowLocality.LAST_AXIS and first != rank - 1:
         return None
     return shape[:first]
+
+
+def _matrix_rows(graph: Graph, op: Op, members: set[str]) -> tuple[int, ...] | None:
+    """Rows of A, when B comes from outside the block and A is not transposed."""
+    a, b = graph.tensors[op.inputs[0]], op.inputs[1]
+    producer = graph.producer(b)
+    if (producer is not None and producer.id in members) or len(a.shape) < 2:
+        return None
+    if op.attrs.get("transA", 0):
+        return None
+    rows = a.shape[:-1]
+    return rows if graph.tensors[op.outputs[0]].shape[:-1] == rows else None
 
 
 def _tile_operand_bytes(graph: Graph, heavy: list[Op]) -> int:
@@ -402,7 +399,7 @@ def _tile_operand_bytes(graph: Graph, heavy: list[Op]) -> int:
     splits B between tiles; weights without batch dims are read whole by every tile)."""
     total = 0
     for op in heavy:
-        if op.op_type in ("MatMul", "Gemm"):
+        if op_info(op.op_type).row_locality is RowLocality.MATRIX_ROWS:
             b = graph.tensors[op.inputs[1]]
             total += b.nbytes // max(1, math.prod(b.shape[:-2]))
     return total
@@ -410,6 +407,10 @@ def _tile_operand_bytes(graph: Graph, heavy: list[Op]) -> int:
 
 def _is_opaque(op: Op) -> bool:
     return op_info(op.op_type).opaque
+
+
+def _is_recurrent(op: Op) -> bool:
+    return op_info(op.op_type).recurrent
 
 
 def _max_live_values(graph: Graph, ops: list[Op], members: set[str]) -> int:

@@ -7,41 +7,15 @@ alone. A link in a chain is a tensor with a single consumer whose other inputs a
 """
 from __future__ import annotations
 
-from enum import IntEnum
-
 from kiln.ecg import Graph, Op
-from kiln.mapping import MappingType
-from kiln.ops import op_info
+from kiln.ops import Pattern, op_info
 from kiln.plan import FusionPlan, register_partitioner
 from kiln.plan.blocks import build_plan
 from kiln.profile import ProfileStore
 
-INJECTIVE_OPS = frozenset({
-    "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose", "Slice", "Concat", "Split",
-    "Gather", "GatherElements", "GatherND", "Expand", "Tile", "Pad", "DepthToSpace",
-    "SpaceToDepth", "Resize", "Upsample", "ReverseSequence",
-})
-
-
-class Pattern(IntEnum):
-    ELEMWISE = 0
-    BROADCAST = 1
-    INJECTIVE = 2
-    REDUCE = 3
-    ANCHOR = 4
-    OPAQUE = 5
-
 
 def pattern_of(op: Op) -> Pattern:
-    if op_info(op.op_type).opaque:
-        return Pattern.OPAQUE
-    if op.compute_intensive:
-        return Pattern.ANCHOR
-    if op.op_type in INJECTIVE_OPS:
-        return Pattern.INJECTIVE
-    if op.mapping == MappingType.MANY_TO_MANY:
-        return Pattern.REDUCE
-    return Pattern.BROADCAST if op.mapping == MappingType.ONE_TO_MANY else Pattern.ELEMWISE
+    return op_info(op.op_type).pattern
 
 
 # What may follow a group started by an op of each kind.

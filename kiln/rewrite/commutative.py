@@ -68,18 +68,19 @@ _comm("reduceprod_neg", ReduceProd(Neg(A), ax, name="r"),
 
 # --- ReduceMax/ReduceMin with a non-decreasing function: max f(a) = f(max a) ---------------------
 
-_MONOTONE = ("Exp", "Log", "Sqrt", "Sigmoid", "Tanh", "Relu", "Erf", "Softplus", "Atan", "Ceil",
-             "Floor", "Round", "LeakyRelu")
-_POSITIVE_DOMAIN = {"Log", "Sqrt"}
-for _fname in _MONOTONE:
+_NON_NEGATIVE_ALPHA = lambda m: float(m.attr("f", "alpha")) >= 0  # noqa: E731
+# (non-decreasing function, its guard, the domain its property test draws A from)
+for _fname, _guard, _domain in (
+        ("Exp", None, {}), ("Log", None, {"A": "pos"}), ("Sqrt", None, {"A": "pos"}),
+        ("Sigmoid", None, {}), ("Tanh", None, {}), ("Relu", None, {}), ("Erf", None, {}),
+        ("Softplus", None, {}), ("Atan", None, {}), ("Ceil", None, {}), ("Floor", None, {}),
+        ("Round", None, {}), ("LeakyRelu", _NON_NEGATIVE_ALPHA, {})):
     _f = op(_fname)
     for _reduce in (ReduceMax, ReduceMin):
         _rname = _reduce.__name__.lower()
         _comm(f"{_rname}_{_fname.lower()}", _reduce(_f(A, name="f"), ax, name="r"),
-              _f(_reduce(A, ax, like="r"), like="f"),
-              guard=(lambda m: float(m.attr("f", "alpha")) >= 0) if _fname == "LeakyRelu" else None,
-              example={"family": "reduce",
-                       "domain": {"A": "pos"} if _fname in _POSITIVE_DOMAIN else {}},
+              _f(_reduce(A, ax, like="r"), like="f"), guard=_guard,
+              example={"family": "reduce", "domain": _domain},
               note=f"{_fname} is non-decreasing")
 
 
@@ -105,11 +106,13 @@ _comm("argmin_neg", ArgMin(Neg(A), name="r"), ArgMax(A, like="r"), guard=_FLOAT_
 
 # --- elementwise ops before replication: compute once per source element -------------------------
 
-for _fname in ("Exp", "Log", "Sqrt", "Neg", "Abs", "Relu", "Sigmoid", "Tanh", "Erf", "Reciprocal"):
+# (elementwise function, the domain its property test draws X from)
+for _fname, _domain in (("Exp", {}), ("Log", {"X": "pos"}), ("Sqrt", {"X": "pos"}), ("Neg", {}),
+                        ("Abs", {}), ("Relu", {}), ("Sigmoid", {}), ("Tanh", {}), ("Erf", {}),
+                        ("Reciprocal", {"X": "away"})):
     _f = op(_fname)
     _comm(f"{_fname.lower()}_expand", _f(Expand(X, s), name="f"), Expand(_f(X, like="f"), s),
-          example={"family": "expand", "domain": {"X": "pos"} if _fname in ("Log", "Sqrt")
-                   else {"X": "away"} if _fname == "Reciprocal" else {}})
+          example={"family": "expand", "domain": _domain})
 _comm("cast_expand", Cast(Expand(X, s), name="f"), Expand(Cast(X, like="f"), s), dtypes=None,
       example={"family": "expand"})
 _comm("expand_scale", Mul(Expand(X, s), c), Expand(Mul(X, c), s), guard=f.scalar("c"),

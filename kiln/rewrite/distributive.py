@@ -188,12 +188,18 @@ for _name, _reduce, _replacement in (
     _dist(_name, _reduce(Add(X, v), ax, name="r"), _replacement(), guard=_ALONG, example=_RED)
 
 
+LEGACY_SOFTMAX_UNTIL = 13  # opsets before it flatten the input to 2-D at `axis`
+
+
 def _softmax_axis_constant(m) -> bool:
+    """`v` is constant along every axis the softmax normalises over: its `axis`, or before opset
+    13 (the input seen as 2-D) every axis from `axis` on."""
     rank = m.rank("X")
     if m.rank("v") > rank or rank == 0:
         return False
     axis = int(m.attr("sm", "axis")) % rank
-    return m.aligned("v", rank)[axis] == 1
+    last = rank if m.work.opset and m.work.opset < LEGACY_SOFTMAX_UNTIL else axis + 1
+    return all(d == 1 for d in m.aligned("v", rank)[axis:last])
 
 
 _dist("softmax_shift", Softmax(Add(X, v), name="sm"), Softmax(X, like="sm"),

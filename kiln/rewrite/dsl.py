@@ -7,8 +7,8 @@ twice must bind the same tensor. Node terms name an op type (or several alternat
 require attribute values; a named node (`name="r"`) binds its output tensor under that name, so
 a guard can read its attributes and a replacement can reuse it.
 
-Binary ops whose operand order does not matter (Add, Mul, Max, Min, And, Or, ...) match in
-either order, so a rule is written once for `A⊙B` and `B⊙A` (rules that differ only by operand
+Binary ops whose operand order does not matter (their record says `symmetric`: Add, Mul, Max,
+Min, And, Or, ...) match in either order, so a rule is written once for `A⊙B` and `B⊙A` (rules that differ only by operand
 order are one rule).
 
 A replacement is a term over the same constructors whose variables refer to what the pattern
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 import numpy as np
 
 from kiln.ecg import Op, Tensor
-from kiln.ops import ASSOCIATIVE, COMMUTATIVE, DISTRIBUTIVE
+from kiln.ops import ASSOCIATIVE, COMMUTATIVE, DISTRIBUTIVE, attr_default
 
 if TYPE_CHECKING:
     from kiln.rewrite.engine import Work
@@ -47,34 +47,13 @@ INTEGER = SIGNED | UNSIGNED
 BOOL = frozenset({"bool"})
 NUMERIC = FLOAT | INTEGER
 
-# Binary ops whose two operands may be swapped when matching.
-SYMMETRIC = frozenset({"Add", "Mul", "Max", "Min", "Sum", "Mean", "And", "Or", "Xor",
-                       "BitwiseAnd", "BitwiseOr", "BitwiseXor", "Equal"})
-
-# ONNX defaults of the attributes patterns and guards read.
-ATTR_DEFAULTS: dict[tuple[str, str], Any] = {
-    **{(r, "keepdims"): 1 for r in (
-        "ReduceSum ReduceMean ReduceMax ReduceMin ReduceProd ReduceL1 ReduceL2 ReduceLogSum "
-        "ReduceLogSumExp ReduceSumSquare ArgMax ArgMin").split()},
-    **{(r, "noop_with_empty_axes"): 0 for r in (
-        "ReduceSum ReduceMean ReduceMax ReduceMin ReduceProd ReduceL1 ReduceL2 ReduceLogSum "
-        "ReduceLogSumExp ReduceSumSquare").split()},
-    ("ArgMax", "axis"): 0, ("ArgMin", "axis"): 0,
-    ("ArgMax", "select_last_index"): 0, ("ArgMin", "select_last_index"): 0,
-    ("Gemm", "alpha"): 1.0, ("Gemm", "beta"): 1.0, ("Gemm", "transA"): 0, ("Gemm", "transB"): 0,
-    ("Softmax", "axis"): -1, ("LogSoftmax", "axis"): -1,
-    ("Reshape", "allowzero"): 0, ("Flatten", "axis"): 1,
-    ("LeakyRelu", "alpha"): 0.01, ("BatchNormalization", "epsilon"): 1e-5,
-    ("Conv", "group"): 1, ("Gelu", "approximate"): "none",
-    ("LayerNormalization", "axis"): -1, ("LayerNormalization", "epsilon"): 1e-5,
-    ("Gather", "axis"): 0,
-}
-
-
-def attr_of(op: Op, key: str, default: Any = None) -> Any:
+def attr_of(op: Op, key: str, default: Any = None, opset: int | None = None) -> Any:
+    """The op's attribute `key`, else ONNX's default for it at `opset` (None: the latest), else
+    `default`."""
     if key in op.attrs:
         return op.attrs[key]
-    return ATTR_DEFAULTS.get((op.op_type, key), default)
+    schema_default = attr_default(op.op_type, key, opset)
+    return default if schema_default is None else schema_default
 
 
 # --- terms ------------------------------------------------------------------------------------
@@ -255,7 +234,7 @@ class Match:
         return self.nodes[name]
 
     def attr(self, name: str, key: str, default: Any = None) -> Any:
-        return attr_of(self.nodes[name], key, default)
+        return attr_of(self.nodes[name], key, default, self.work.opset)
 
     # common facts
     def scalar(self, name: str) -> float | None:
@@ -275,7 +254,8 @@ class Match:
         given = node.inputs[1] if len(node.inputs) > 1 else None
         data = self.work.tensors[given].data if given is not None else node.attrs.get("axes")
         if data is None or np.size(data) == 0:
-            return None if attr_of(node, "noop_with_empty_axes") else tuple(range(rank))
+            empty_is_noop = attr_of(node, "noop_with_empty_axes", 0, self.work.opset)
+            return None if empty_is_noop else tuple(range(rank))
         return tuple(sorted({int(a) % rank for a in np.asarray(data).reshape(-1)}))
 
 

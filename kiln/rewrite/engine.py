@@ -40,12 +40,12 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from kiln import frontend
+from kiln import fold as folding
 from kiln.ecg import Graph, Op, Tensor, toposort
 from kiln.ops import annotate, op_info
 from kiln.rewrite import shapes
-from kiln.rewrite.dsl import (SIMPLIFY, SYMMETRIC, Alt, Fill, K, Match, Node, Rule, Term, Var,
-                              attr_of, variables)
+from kiln.rewrite.dsl import (SIMPLIFY, Alt, Fill, K, Match, Node, Rule, Term, Var, attr_of,
+                              variables)
 from kiln.rewrite.export import EXPORT_OPSET, node_from
 
 LOOKAHEAD = 3  # longest chain of enabling rewrites looked through
@@ -273,7 +273,7 @@ def _match_node(work: Work, term: Node, tid: str | None, st: _State) -> Iterator
     if op is None or op.op_type not in term.ops or len(op.outputs) != 1:
         return
     for key, want in term.attrs.items():
-        have = attr_of(op, key)
+        have = attr_of(op, key, opset=work.opset)
         if not (want(have) if callable(want) else _same(have, want)):
             return
     inputs = list(op.inputs)
@@ -286,7 +286,7 @@ def _match_node(work: Work, term: Node, tid: str | None, st: _State) -> Iterator
     nodes = st.nodes if term.name is None else {**st.nodes, term.name: op}
     start = _State(bind, nodes, st.ops + [op])
     orders = [term.args]
-    if (op.op_type in SYMMETRIC or term.any_order) and len(term.args) == 2:
+    if (op_info(op.op_type).symmetric or term.any_order) and len(term.args) == 2:
         orders.append(term.args[::-1])
     for args in orders:
         yield from _match_args(work, args, inputs, start)
@@ -387,9 +387,7 @@ def instantiate(work: Work, rule: Rule, m: Match) -> Plan:
         in_bytes = sum(i.nbytes for i in present)
         out_bytes = Tensor("", shape, out_dtype).nbytes
         foldable = (bool(present) and all(i.is_constant or _will_fold(plan, i.id) for i in present)
-                    and term.ops[0] not in frontend.NON_FOLDABLE_OPS
-                    and not (out_bytes > frontend.FOLD_SMALL_BYTES
-                             and out_bytes > frontend.FOLD_MAX_GROWTH * in_bytes))
+                    and folding.foldable(term.ops[0]) and folding.worth_storing(out_bytes, in_bytes))
         out = root_out if is_root else f"%{next(counter)}"
         if not is_root:
             plan.tensors[out] = Tensor(out, shape, out_dtype)
@@ -536,15 +534,15 @@ def _position(work: Work, m: Match, plan: Plan) -> tuple[int, ...]:
 
 def fold(work: Work, op_type: str, inputs: Sequence[str | None], attrs: dict[str, Any],
          outputs: int = 1) -> list[np.ndarray]:
-    """Evaluate an op on constant inputs with the frontend's constant-folding helper (results
-    are cached by the identity of the input arrays, which the cache keeps alive)."""
+    """Evaluate an op on constant inputs (`kiln.fold`; results are cached by the identity of the
+    input arrays, which the cache keeps alive)."""
     values = [None if t is None else work.tensors[t].data for t in inputs]
     key = (op_type, repr(sorted(attrs.items())), tuple(id(v) for v in values))
     hit = work.fold_cache.get(key)
     if hit is None:
         node = node_from(op_type, [t or "" for t in inputs], [f"out{i}" for i in range(outputs)],
                          attrs)
-        hit = work.fold_cache[key] = (values, frontend._evaluate(node, values, EXPORT_OPSET))
+        hit = work.fold_cache[key] = (values, folding.evaluate(node, values, EXPORT_OPSET))
     return hit[1]
 
 
@@ -577,13 +575,13 @@ def propagate_constants(work: Work, tensors: list[str], changes: Changes) -> Non
         t = stack.pop()
         for op_id in list(work.consumers.get(t, ())):
             op = work.ops.get(op_id)
-            if op is None or op.op_type in frontend.NON_FOLDABLE_OPS:
+            if op is None or not folding.foldable(op.op_type):
                 continue
             if not all(work.tensors[i].is_constant for i in op.present_inputs()):
                 continue
             in_bytes = sum(work.tensors[i].nbytes for i in op.present_inputs())
             out_bytes = sum(work.tensors[o].nbytes for o in op.outputs)
-            if out_bytes > max(frontend.FOLD_SMALL_BYTES, frontend.FOLD_MAX_GROWTH * in_bytes):
+            if not folding.worth_storing(out_bytes, in_bytes):
                 continue
             results = fold(work, op.op_type, op.inputs, op.attrs, len(op.outputs))
             work.remove_op(op.id)
@@ -697,7 +695,8 @@ class Engine:
             need = needs[arg]
             return need is None or (position < len(types) and types[position] in need)
 
-        if (op.op_type in SYMMETRIC or self.rules[index].pattern.any_order) and len(needs) == 2:
+        symmetric = op_info(op.op_type).symmetric
+        if (symmetric or self.rules[index].pattern.any_order) and len(needs) == 2:
             return (fits(0, 0) and fits(1, 1)) or (fits(0, 1) and fits(1, 0))
         return all(fits(i, i) for i in range(len(needs)))
 

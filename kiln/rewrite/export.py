@@ -1,5 +1,5 @@
 """ECG → ONNX: for evaluating a graph with onnxruntime or onnx's reference evaluator, and for
-folding constants with the frontend's helper.
+folding constants (`kiln.fold`).
 
 ECG ops follow the latest opset's conventions (parameters such as axes and shapes are constant
 inputs), so graphs are exported at `EXPORT_OPSET`. Tensors keep their Kiln ids as ONNX names;
@@ -14,9 +14,10 @@ import onnx
 from onnx import helper, numpy_helper
 
 from kiln.ecg import Graph, Op
+from kiln.fold import IR_VERSION
 
 EXPORT_OPSET = 21
-EXPORT_IR_VERSION = 10  # the frontend's FOLD_IR_VERSION: accepted by every supported onnxruntime
+EXPORT_IR_VERSION = IR_VERSION  # accepted by every supported onnxruntime
 
 
 def node_from(op_type: str, inputs: Sequence[str], outputs: Sequence[str],

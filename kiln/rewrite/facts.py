@@ -45,11 +45,6 @@ def negative(*names: str) -> Guard:
                          for n in names)
 
 
-def nonnegative_finite(*names: str) -> Guard:
-    return lambda m: all(_all(m, n, lambda d: np.all(d >= 0) and np.all(np.isfinite(d)))
-                         for n in names)
-
-
 def finite(*names: str) -> Guard:
     return lambda m: all(_all(m, n, lambda d: np.all(np.isfinite(d))) for n in names)
 
@@ -63,13 +58,6 @@ def integer_scalar(*names: str) -> Guard:
                     or abs(value) > 64:
                 return False
         return True
-    return check
-
-
-def scalar_equal(name: str, value: float, rel: float = 1e-6) -> Guard:
-    def check(m: Match) -> bool:
-        got = m.scalar(name)
-        return got is not None and abs(got - value) <= rel * max(1.0, abs(value))
     return check
 
 

@@ -1,7 +1,8 @@
 """Output shape and dtype of an op a replacement creates, before it exists in a graph.
 
 The ops replacements build most (elementwise, reductions, Transpose, Reshape, MatMul, Gemm) have
-their rules here; anything else goes through ONNX's own shape inference, as in the frontend.
+their rules here, chosen by the op record's `shape_rule`; anything else goes through ONNX's own
+shape inference, as in the frontend.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper, shape_inference
 
+from kiln.ops import ShapeRule, op_info
 from kiln.rewrite.dsl import attr_of
 from kiln.rewrite.export import EXPORT_OPSET, node_from
 
@@ -26,53 +28,62 @@ class ShapeError(ValueError):
     """The op is invalid for its inputs (the replacement does not apply)."""
 
 
-SAME_AS_FIRST = frozenset((
-    "Abs Neg Relu Sqrt Reciprocal Exp Log Sigmoid Tanh Erf Ceil Floor Round Sign Softplus Softsign "
-    "Atan Asinh Sinh Cos Sin Tan Asin Acos Acosh Atanh Cosh Identity Gelu LeakyRelu Elu Selu Celu "
-    "HardSigmoid HardSwish Mish Softmax LogSoftmax Not BitwiseNot Clip LayerNormalization "
-    "BatchNormalization Dropout Hardmax CumSum").split())
-BROADCAST = frozenset("Add Sub Mul Div Pow Max Min Mod BitShift And Or Xor BitwiseAnd BitwiseOr "
-                      "BitwiseXor PRelu Sum Mean".split())
-COMPARE = frozenset("Equal Greater GreaterOrEqual Less LessOrEqual".split())
-REDUCE = frozenset(("ReduceSum ReduceMean ReduceMax ReduceMin ReduceProd ReduceL1 ReduceL2 "
-                    "ReduceLogSum ReduceLogSumExp ReduceSumSquare").split())
-
-
 def infer(op_type: str, inputs: Sequence[Info | None], attrs: dict[str, Any]
           ) -> tuple[tuple[int, ...], str]:
     """(shape, dtype) of the first output of `op_type` on `inputs`; ShapeError when invalid."""
-    present = [i for i in inputs if i is not None]
+    rule = _RULES.get(op_info(op_type).shape_rule)
+    if rule is None:
+        return _onnx_infer(op_type, inputs, attrs)
     try:
-        if op_type in SAME_AS_FIRST:
-            return tuple(inputs[0].shape), inputs[0].dtype
-        if op_type in BROADCAST:
-            return _broadcast(present), present[0].dtype
-        if op_type in COMPARE:
-            return _broadcast(present), "bool"
-        if op_type == "Where":
-            return _broadcast(present), inputs[1].dtype
-        if op_type == "Cast":
-            return tuple(inputs[0].shape), _onnx_dtype(attrs["to"])
-        if op_type in REDUCE or op_type in ("ArgMax", "ArgMin"):
-            return _reduce(op_type, inputs, attrs)
-        if op_type == "Transpose":
-            shape = inputs[0].shape
-            perm = attrs.get("perm") or list(reversed(range(len(shape))))
-            if sorted(perm) != list(range(len(shape))):
-                raise ShapeError(f"perm {perm} does not fit rank {len(shape)}")
-            return tuple(shape[p] for p in perm), inputs[0].dtype
-        if op_type == "Reshape":
-            return _reshape(inputs[0].shape, _data(inputs[1]), attrs), inputs[0].dtype
-        if op_type == "Expand":
-            return _broadcast([inputs[0], _Shape(tuple(int(d) for d in _data(inputs[1])))]), \
-                inputs[0].dtype
-        if op_type == "MatMul":
-            return _matmul(inputs[0].shape, inputs[1].shape), inputs[0].dtype
-        if op_type == "Gemm":
-            return _gemm(inputs, attrs), inputs[0].dtype
+        return rule(inputs, attrs)
     except (ValueError, IndexError, KeyError, TypeError) as exc:
         raise ShapeError(f"{op_type}: {exc}") from exc
-    return _onnx_infer(op_type, inputs, attrs)
+
+
+def _same_as_first(inputs: Sequence[Info | None], attrs: dict[str, Any]):
+    return tuple(inputs[0].shape), inputs[0].dtype
+
+
+def _broadcast_rule(inputs: Sequence[Info | None], attrs: dict[str, Any]):
+    present = [i for i in inputs if i is not None]
+    return _broadcast(present), present[0].dtype
+
+
+def _compare(inputs: Sequence[Info | None], attrs: dict[str, Any]):
+    return _broadcast([i for i in inputs if i is not None]), "bool"
+
+
+def _select(inputs: Sequence[Info | None], attrs: dict[str, Any]):
+    return _broadcast([i for i in inputs if i is not None]), inputs[1].dtype
+
+
+def _cast(inputs: Sequence[Info | None], attrs: dict[str, Any]):
+    return tuple(inputs[0].shape), _onnx_dtype(attrs["to"])
+
+
+def _transpose(inputs: Sequence[Info | None], attrs: dict[str, Any]):
+    shape = inputs[0].shape
+    perm = attrs.get("perm") or list(reversed(range(len(shape))))
+    if sorted(perm) != list(range(len(shape))):
+        raise ShapeError(f"perm {perm} does not fit rank {len(shape)}")
+    return tuple(shape[p] for p in perm), inputs[0].dtype
+
+
+def _reshape_rule(inputs: Sequence[Info | None], attrs: dict[str, Any]):
+    return _reshape(inputs[0].shape, _data(inputs[1]), attrs), inputs[0].dtype
+
+
+def _expand(inputs: Sequence[Info | None], attrs: dict[str, Any]):
+    target = _Shape(tuple(int(d) for d in _data(inputs[1])))
+    return _broadcast([inputs[0], target]), inputs[0].dtype
+
+
+def _matmul_rule(inputs: Sequence[Info | None], attrs: dict[str, Any]):
+    return _matmul(inputs[0].shape, inputs[1].shape), inputs[0].dtype
+
+
+def _gemm_rule(inputs: Sequence[Info | None], attrs: dict[str, Any]):
+    return _gemm(inputs, attrs), inputs[0].dtype
 
 
 class _Shape:
@@ -90,29 +101,33 @@ def _broadcast(inputs: Sequence[Any]) -> tuple[int, ...]:
     return tuple(int(d) for d in np.broadcast_shapes(*(tuple(i.shape) for i in inputs)))
 
 
-def _reduce(op_type: str, inputs: Sequence[Info | None], attrs: dict[str, Any]):
+def _arg_reduce(inputs: Sequence[Info | None], attrs: dict[str, Any]):
+    shape = tuple(inputs[0].shape)
+    axes = [int(attrs.get("axis", 0)) % max(len(shape), 1)]
+    return _reduced(shape, axes, attrs), "int64"
+
+
+def _reduce(inputs: Sequence[Info | None], attrs: dict[str, Any]):
     shape = tuple(inputs[0].shape)
     rank = len(shape)
-    keep = attrs.get("keepdims", 1)
-    if op_type in ("ArgMax", "ArgMin"):
-        axes: Sequence[int] = [int(attrs.get("axis", 0)) % max(rank, 1)]
-        dtype = "int64"
+    given = inputs[1] if len(inputs) > 1 else None
+    data = _data(given) if given is not None else np.asarray(attrs.get("axes", []))
+    if data.size == 0:
+        if attrs.get("noop_with_empty_axes", 0):
+            return shape, inputs[0].dtype
+        axes = list(range(rank))
     else:
-        given = inputs[1] if len(inputs) > 1 else None
-        data = _data(given) if given is not None else np.asarray(attrs.get("axes", []))
-        if data.size == 0:
-            if attrs.get("noop_with_empty_axes", 0):
-                return shape, inputs[0].dtype
-            axes = list(range(rank))
-        else:
-            axes = [int(a) for a in data]
-            if any(not -rank <= a < rank for a in axes):
-                raise ShapeError(f"axes {axes} out of range for rank {rank}")
-            axes = [a % rank for a in axes]
-        dtype = inputs[0].dtype
-    out = [1 if i in axes else d for i, d in enumerate(shape)] if keep else \
-        [d for i, d in enumerate(shape) if i not in axes]
-    return tuple(out), dtype
+        axes = [int(a) for a in data]
+        if any(not -rank <= a < rank for a in axes):
+            raise ShapeError(f"axes {axes} out of range for rank {rank}")
+        axes = [a % rank for a in axes]
+    return _reduced(shape, axes, attrs), inputs[0].dtype
+
+
+def _reduced(shape: tuple[int, ...], axes: Sequence[int], attrs: dict[str, Any]) -> tuple[int, ...]:
+    if attrs.get("keepdims", 1):
+        return tuple(1 if i in axes else d for i, d in enumerate(shape))
+    return tuple(d for i, d in enumerate(shape) if i not in axes)
 
 
 def _reshape(shape: tuple[int, ...], target: np.ndarray, attrs: dict[str, Any]) -> tuple[int, ...]:
@@ -190,5 +205,20 @@ def _onnx_infer(op_type: str, inputs: Sequence[Info | None], attrs: dict[str, An
     shape = tuple(d.dim_value for d in ttype.tensor_type.shape.dim)
     return shape, _onnx_dtype(ttype.tensor_type.elem_type)
 
+
+_RULES = {
+    ShapeRule.SAME_AS_FIRST: _same_as_first,
+    ShapeRule.BROADCAST: _broadcast_rule,
+    ShapeRule.COMPARE: _compare,
+    ShapeRule.SELECT: _select,
+    ShapeRule.CAST: _cast,
+    ShapeRule.REDUCE: _reduce,
+    ShapeRule.ARG_REDUCE: _arg_reduce,
+    ShapeRule.TRANSPOSE: _transpose,
+    ShapeRule.RESHAPE: _reshape_rule,
+    ShapeRule.EXPAND: _expand,
+    ShapeRule.MATMUL: _matmul_rule,
+    ShapeRule.GEMM: _gemm_rule,
+}
 
 __all__ = ["infer", "ShapeError", "attr_of"]

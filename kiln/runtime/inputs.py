@@ -2,8 +2,9 @@
 
 Floats are standard normal; bools are random; an input whose name mentions a mask is all ones;
 an integer input is drawn from [0, n) where n is the smallest table it indexes: its consumers
-are followed through value-preserving ops (Cast, Reshape, Unsqueeze, …) to the indices input of
-a Gather / GatherElements / GatherND, whose data extent along the gathered axis is n. Integer
+are followed through value-preserving ops (Cast, Reshape, Unsqueeze, …: the op record's
+`value_flow`) to the indices input of a gather (Gather, GatherElements, GatherND: its
+`gather_indices`), whose data extent along the gathered axis is n. Integer
 inputs that index nothing are drawn from [0, `DEFAULT_INT_BOUND`), or are zeros when no graph
 is given (always a valid index).
 """
@@ -14,17 +15,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kiln.ecg import Graph
+from kiln.ecg import Graph, Op
+from kiln.ops import ValueFlow, attr_default, op_info
 from kiln.runtime.artifact import TensorInfo
 
 MASK_NAME = re.compile(r"mask", re.IGNORECASE)
 DEFAULT_INT_BOUND = 10
-# Ops whose output holds (some of) the values of their first input, unchanged.
-VALUE_PRESERVING = frozenset({
-    "Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Identity", "Expand", "Transpose",
-    "Slice", "Tile", "Concat", "Split", "Gather", "GatherElements", "Pad",
-})
-GATHERS = frozenset({"Gather", "GatherElements", "GatherND"})
 
 
 def random_inputs(inputs: Sequence[TensorInfo], graph: Graph | None = None,
@@ -63,21 +59,27 @@ def _gathered_extents(graph: Graph, start: str):
     while frontier:
         tensor = frontier.pop()
         for op in graph.consumers(tensor):
-            if op.op_type in GATHERS and len(op.inputs) > 1 and op.inputs[1] == tensor:
+            info = op_info(op.op_type)
+            indices = info.gather_indices
+            if indices is not None and len(op.inputs) > indices and op.inputs[indices] == tensor:
                 yield _gather_extent(graph, op)
-            elif op.op_type in VALUE_PRESERVING and _carries_values(op, tensor):
+            elif _carries_values(op, tensor, info.value_flow):
                 fresh = [o for o in op.outputs if o not in seen]
                 seen.update(fresh)
                 frontier.extend(fresh)
 
 
-def _carries_values(op, tensor: str) -> bool:
-    return tensor in op.present_inputs() if op.op_type == "Concat" else op.inputs[0] == tensor
+def _carries_values(op: Op, tensor: str, flow: ValueFlow) -> bool:
+    if flow is ValueFlow.EVERY_INPUT:
+        return tensor in op.present_inputs()
+    return flow is ValueFlow.FIRST_INPUT and op.inputs[0] == tensor
 
 
-def _gather_extent(graph: Graph, op) -> int:
+def _gather_extent(graph: Graph, op: Op) -> int:
+    """The extent the gather's indices index: the data's extent along its `axis` (Gather,
+    GatherElements), else (GatherND, which has no axis) the smallest dim after `batch_dims`."""
     shape = graph.tensors[op.inputs[0]].shape
-    if op.op_type == "GatherND":
+    axis = op.attrs.get("axis", attr_default(op.op_type, "axis", graph.opset))
+    if axis is None:
         return min(shape[op.attrs.get("batch_dims", 0):], default=1)
-    axis = op.attrs.get("axis", 0)
     return shape[axis] if shape else 1

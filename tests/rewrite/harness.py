@@ -18,13 +18,14 @@ import numpy as np
 from hypothesis import strategies as st
 
 from kiln.ecg import Graph, Op, Tensor, toposort
-from kiln.ops import annotate
+from kiln.ops import ShapeRule, annotate, known_ops, op_info
 from kiln.rewrite import shapes
-from kiln.rewrite.dsl import (BOOL, FLOAT, INTEGER, SYMMETRIC, UNSIGNED, Alt, Fill, Node, Rule,
+from kiln.rewrite.dsl import (BOOL, FLOAT, INTEGER, UNSIGNED, Alt, Fill, Node, Rule,
                               Term, Var)
 from kiln.rewrite.export import run_reference
 
-REDUCES = frozenset(shapes.REDUCE)
+REDUCES = frozenset(name for name, info in known_ops().items()
+                    if info.shape_rule is ShapeRule.REDUCE)
 
 
 class Skip(Exception):
@@ -216,7 +217,7 @@ class Builder:
         if op_type.startswith("Bitwise") and not kinds <= {"i", "u"}:
             raise Skip(f"{op_type} needs integer operands")
         attrs = self.attrs(op_type, term, refs)
-        if len(refs) == 2 and (op_type in SYMMETRIC or term.any_order) and self.draw(st.booleans()):
+        if len(refs) == 2 and (op_info(op_type).symmetric or term.any_order) and self.draw(st.booleans()):
             refs.reverse()  # the pattern must match in either operand order
         while refs and refs[-1] is None:
             refs.pop()
