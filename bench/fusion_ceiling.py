@@ -25,8 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.latency import work_folder, zoo_arguments, zoo_artifact  # noqa: E402
-from bench.zoo import make_inputs  # noqa: E402
+from bench.latency import (BenchModel, bench_models, kiln_artifact, work_folder,  # noqa: E402
+                           zoo_arguments)
 from kiln.ops import op_info  # noqa: E402
 from kiln.runtime.artifact import open_artifact  # noqa: E402
 from kiln.runtime.execute import run_runner  # noqa: E402
@@ -47,17 +47,17 @@ def split_ms(timing: dict, plan: dict) -> tuple[float, float, float]:
     return timing["latency_ns"]["median"] / 1e6, compute / 1e6, memory / 1e6
 
 
-def measure(name: str, work: Path, runs: int, threads: int) -> dict[str, tuple[float, float, float]]:
-    inputs = make_inputs(name)
+def measure(model: BenchModel, work: Path, runs: int,
+            threads: int) -> dict[str, tuple[float, float, float]]:
     artifacts = {}
     for partitioner in PARTITIONERS:
-        out = zoo_artifact(name, partitioner, work)
+        out = kiln_artifact(model, partitioner, work)
         artifacts[partitioner] = open_artifact(out, work / "extracted" / out.stem)
     splits: dict[str, list[tuple[float, float, float]]] = {p: [] for p in PARTITIONERS}
     for half in range(2):  # two alternating halves, so drift on the machine hits both builds
         for partitioner in PARTITIONERS if half == 0 else PARTITIONERS[::-1]:
             artifact = artifacts[partitioner]
-            timing = run_runner(artifact, inputs, runs, 3, threads, keep_outputs=False).timing
+            timing = run_runner(artifact, model.inputs, runs, 3, threads, keep_outputs=False).timing
             splits[partitioner].append(split_ms(timing, artifact.plan))
     return {p: tuple(min(s[i] for s in got) for i in range(3)) for p, got in splits.items()}
 
@@ -70,8 +70,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{'dnnf ms':>8s} {'CIL ms':>8s} {'MIL ms':>8s} | {'none/dnnf':>9s} {'ceiling':>8s}")
     rows, measured, ceilings = [], [], []
     with work_folder(args.keep, "kiln-ceiling-") as work:
-        for name in args.models.split(","):
-            got = measure(name, work, args.runs, args.threads)
+        for model in bench_models(args):
+            name = model.name
+            got = measure(model, work, args.runs, args.threads)
             (none, none_ci, none_mi), (dnnf, dnnf_ci, dnnf_mi) = got["none"], got["dnnfusion"]
             measured.append(none / dnnf)
             ceilings.append(none / none_ci)
