@@ -72,6 +72,8 @@ from transformers import (
     AlbertModel,
     BertConfig,
     BertModel,
+    ConvNextConfig,
+    ConvNextModel,
     DistilBertConfig,
     DistilBertModel,
     EfficientNetConfig,
@@ -86,6 +88,8 @@ from transformers import (
     PreTrainedModel,
     ResNetConfig,
     ResNetModel,
+    SwinConfig,
+    SwinModel,
     ViTConfig,
     ViTModel,
 )
@@ -362,6 +366,30 @@ def _resnet(*, embedding: int, hidden_sizes: list[int], depths: list[int], image
     return _hf_variant(ResNetModel, ResNetConfig, config, _image_inputs(image), outputs)
 
 
+def _convnext(*, hidden_sizes: list[int], depths: list[int], image: int) -> ZooVariant:
+    config = {"hidden_sizes": hidden_sizes, "depths": depths, "num_stages": len(depths), "image_size": image}
+    # Patchify stem (stride 4), then every stage after the first halves the map.
+    side = image // 4 // 2 ** (len(depths) - 1)
+    outputs = _feature_map_outputs(hidden_sizes[-1], side, flat_pooler=True)
+    return _hf_variant(ConvNextModel, ConvNextConfig, config, _image_inputs(image), outputs)
+
+
+def _swin(*, embed_dim: int, depths: list[int], heads: list[int], window: int, image: int, patch: int) -> ZooVariant:
+    config = {
+        "embed_dim": embed_dim,
+        "depths": depths,
+        "num_heads": heads,
+        "window_size": window,
+        "image_size": image,
+        "patch_size": patch,
+    }
+    # Patch embedding, then every stage after the first merges 2x2 patches and doubles the width.
+    side = image // patch // 2 ** (len(depths) - 1)
+    hidden = embed_dim * 2 ** (len(depths) - 1)
+    outputs = _sequence_outputs(side * side, hidden, pooled=True)
+    return _hf_variant(SwinModel, SwinConfig, config, _image_inputs(image), outputs)
+
+
 def _efficientnet(config: Mapping[str, Any], *, image: int, hidden_dim: int, downsampling: int) -> ZooVariant:
     outputs = _feature_map_outputs(hidden_dim, image // downsampling, flat_pooler=True)
     config = {**config, "image_size": image, "hidden_dim": hidden_dim}
@@ -476,6 +504,19 @@ MODELS: dict[str, ZooModel] = {
             "ResNet-50: bottleneck stages of depth 3, 4, 6, 3",
             full=_resnet(embedding=64, hidden_sizes=[256, 512, 1024, 2048], depths=[3, 4, 6, 3], image=FULL_IMAGE),
             tiny=_resnet(embedding=8, hidden_sizes=[16, 32], depths=[1, 1], image=TINY_IMAGE),
+        ),
+        ZooModel(
+            "convnext-t",
+            "ConvNeXt-T at 224x224: stages of depth 3, 3, 9, 3, widths 96-768",
+            full=_convnext(hidden_sizes=[96, 192, 384, 768], depths=[3, 3, 9, 3], image=FULL_IMAGE),
+            tiny=_convnext(hidden_sizes=[8, 16], depths=[1, 1], image=TINY_IMAGE),
+        ),
+        ZooModel(
+            "swin-t",
+            "Swin-T at 224x224: window 7, stages of depth 2, 2, 6, 2, embedding 96",
+            full=_swin(embed_dim=96, depths=[2, 2, 6, 2], heads=[3, 6, 12, 24], window=7, image=FULL_IMAGE, patch=4),
+            # Two blocks in the first stage, so the second one has shifted windows (and their mask).
+            tiny=_swin(embed_dim=16, depths=[2, 1], heads=[2, 2], window=4, image=TINY_IMAGE, patch=4),
         ),
         ZooModel(
             "efficientnet-b0",
