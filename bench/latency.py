@@ -9,9 +9,11 @@ the loader. The order rotates each round, and each timed call starts after a sho
 (the lower of onnxruntime and OpenVINO: the `Kiln / fastest` column), none/dnnfusion, the
 artifact's max |diff| against onnxruntime, and geomeans of the ratios.
 
-`--models` takes zoo names (bench/zoo.py, exported on first use) and paths to .onnx files; the
-inputs of a file are random valid ones derived from its declared inputs (kiln.runtime.inputs),
-its symbolic dimensions fixed by `--shape NAME=D0,D1,…` as in `kiln compile`.
+`--models` takes zoo names (bench/zoo.py, exported on first use), names of the architectures
+outside the zoo (bench/unseen.py; `unseen` for all of them, `zoo` for the zoo) and paths to
+.onnx files; the inputs of a file are random valid ones derived from its declared inputs
+(kiln.runtime.inputs), its symbolic dimensions fixed by `--shape NAME=D0,D1,…` as in
+`kiln compile`.
 
     python bench/latency.py [--models bert-base,resnet50,my.onnx] [--shape ids=1,128]
                             [--peers ort,ov] [--rounds 20] [--threads 2] [--keep DIR]
@@ -59,13 +61,18 @@ class BenchModel:
 
 
 def bench_model(spec: str, shapes: Mapping[str, Sequence[int]] | None = None) -> BenchModel:
-    """A zoo name (its full-size export) or the path of an .onnx file."""
+    """A zoo name (its full-size export), the name of an architecture outside the zoo
+    (bench/unseen.py) or the path of an .onnx file."""
+    from bench import unseen
+
     if spec in MODELS:
         return BenchModel(spec, ensure_model(spec), make_inputs(spec))
+    if spec in unseen.MODELS:
+        return BenchModel(spec, unseen.ensure_model(spec), unseen.make_inputs(spec))
     path = Path(spec)
     if path.suffix != ".onnx" or not path.is_file():
-        raise SystemExit(f"--models: {spec!r} is neither a zoo model ({', '.join(MODELS)}) "
-                         f"nor an .onnx file")
+        raise SystemExit(f"--models: {spec!r} is neither a model of the zoo ({', '.join(MODELS)}) "
+                         f"or outside it ({', '.join(unseen.MODELS)}) nor an .onnx file")
     shapes = dict(shapes or {})
     graph = frontend.load(path, shapes)
     declared = [TensorInfo(graph.tensors[t].source_name or t, graph.tensors[t].dtype,
@@ -158,8 +165,9 @@ def ratio(a: float | None, b: float | None) -> str:
 
 def zoo_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The options every zoo benchmark that compiles artifacts takes (see `bench_models`)."""
-    parser.add_argument("--models", default=",".join(MODELS),
-                        help="comma-separated zoo names and .onnx paths (default: the zoo)")
+    parser.add_argument("--models", default="zoo",
+                        help="comma-separated model names (bench/zoo.py, bench/unseen.py), "
+                             ".onnx paths, and the groups zoo and unseen (default: zoo)")
     parser.add_argument("--shape", action="append", default=[], metavar="NAME=D0,D1,…",
                         help="value of an .onnx input's symbolic dimensions (repeatable)")
     parser.add_argument("--threads", type=int, default=2)
@@ -173,8 +181,12 @@ def bench_models(args: argparse.Namespace) -> Iterator[BenchModel]:
         shapes = dict(frontend.parse_shape_arg(s) for s in args.shape)
     except KilnError as exc:
         raise SystemExit(f"--shape: {exc}") from None
+    from bench import unseen
+
+    groups = {"zoo": list(MODELS), "unseen": list(unseen.MODELS)}
     for spec in filter(None, (s.strip() for s in args.models.split(","))):
-        yield bench_model(spec, shapes)
+        for name in groups.get(spec, [spec]):
+            yield bench_model(name, shapes)
 
 
 def main(argv: list[str] | None = None) -> int:

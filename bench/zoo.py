@@ -553,8 +553,12 @@ def output_specs(name: str, size: str = "full") -> tuple[TensorSpec, ...]:
 
 def make_inputs(name: str, size: str = "full", seed: int = SEED) -> dict[str, np.ndarray]:
     """Random inputs that are valid for the model's graph inputs."""
+    return variant_inputs(MODELS[name].variant(size), seed)
+
+
+def variant_inputs(variant: ZooVariant, seed: int = SEED) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
-    return {spec.name: _random_value(spec, rng) for spec in input_specs(name, size)}
+    return {spec.name: _random_value(spec, rng) for spec in variant.inputs}
 
 
 def model_path(name: str, size: str = "full", out_dir: str | os.PathLike[str] | None = None) -> Path:
@@ -573,21 +577,29 @@ def ensure_model(name: str, size: str = "full", out_dir: str | os.PathLike[str] 
 
 def build_module(name: str, size: str = "full") -> nn.Module:
     """The seeded torch model that ``export_model`` exports, in eval mode."""
+    return build_variant(MODELS[name].variant(size))
+
+
+def build_variant(variant: ZooVariant) -> nn.Module:
     torch.manual_seed(SEED)
-    module = MODELS[name].variant(size).build().eval()
+    module = variant.build().eval()
     _randomize_constant_init(module)
     return module
 
 
 def export_model(name: str, size: str, path: Path) -> ExportReport:
     """Export, validate, and only then move the model into place at ``path``."""
-    variant = MODELS[name].variant(size)
-    inputs = make_inputs(name, size)
+    return export_variant(name, size, MODELS[name].variant(size), path)
+
+
+def export_variant(name: str, size: str, variant: ZooVariant, path: Path) -> ExportReport:
+    """Export ``variant`` (any model described as the zoo's are, see bench/unseen.py) to ``path``."""
+    inputs = variant_inputs(variant)
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = path.with_name(f"{path.name}.{os.getpid()}.partial")
     start = time.perf_counter()
     try:
-        expected = _export_torchscript(build_module(name, size), variant, inputs, staging)
+        expected = _export_torchscript(build_variant(variant), variant, inputs, staging)
         _declare_static_outputs(staging, variant.outputs)
         max_abs_diff = _validate(staging, variant, inputs, expected)
         os.replace(staging, path)
