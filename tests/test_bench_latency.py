@@ -51,7 +51,7 @@ def test_contenders_agree_with_onnxruntime(tmp_path: Path) -> None:
 
 
 def test_unknown_model_is_named(tmp_path: Path) -> None:
-    with pytest.raises(SystemExit, match="neither a zoo model"):
+    with pytest.raises(SystemExit, match="neither a model of the zoo"):
         bench_model(str(tmp_path / "missing.onnx"))
 
 
@@ -61,3 +61,12 @@ def _has_openvino() -> bool:
     except ImportError:
         return False
     return True
+
+
+def test_fusion_share_counts_only_models_with_removable_time() -> None:
+    from bench.fusion_ceiling import fusion_share
+
+    # none 10 ms of which 6 ms contractions: 4 ms removable, dnnfusion removed 3 of them.
+    assert fusion_share(10.0, 6.0, 7.0) == pytest.approx(0.75)
+    assert fusion_share(10.0, 9.6, 9.5) is None  # 0.4 ms removable: under 5 % of none
+    assert fusion_share(10.0, 9.5, 10.2) == pytest.approx(-0.4)  # fused slower: negative share
