@@ -1,4 +1,5 @@
-"""Kiln's generated GEMM against numpy's matmul (OpenBLAS), both on 2 threads, side by side.
+"""Kiln's generated GEMM against numpy's matmul (OpenBLAS), onnxruntime's MatMul (MLAS) and
+OpenVINO's, all on 2 threads, side by side.
 
 The shapes are the MatMul/Gemm ops of the full-size zoo (`bench/models/*.onnx`, read through
 Kiln's frontend: distinct operand shapes, weights constant or not) plus square 512…2048. For
@@ -6,14 +7,17 @@ each shape a one-op ONNX model is built — constant weights as an initializer (
 them at compile time), or two activation inputs for the batched MatMuls of attention — compiled
 through Kiln's real compile path (`compile_artifact`, optionally `--tune quick|full`) and run
 in-process by the artifact's loader. numpy computes the same function (`np.matmul` into a
-preallocated output, plus Gemm's bias) on the same arrays. Calls alternate, kiln then numpy,
-so machine noise hits both alike; each side's median time gives GFLOP/s (2·batch·M·N·K); `best` is the ratio of the two
-fastest calls, which a loaded machine disturbs less.
-Prints one row per shape, then the geometric mean of kiln/numpy over the zoo shapes (the issue's
-target: ≥ 0.8) and over the squares.
+preallocated output, plus Gemm's bias) on the same arrays; onnxruntime and OpenVINO run the same
+one-op model file (bench/peers.py: each set up as in bench/latency.py). Blocks of calls of each
+contender alternate, in a rotating order, so machine noise hits all alike; each side's median
+time gives GFLOP/s (2·batch·M·N·K).
+Prints one row per shape with kiln's ratio to each peer, then the geometric means of the ratios
+over the zoo shapes and over the squares, of the medians and of the best (fastest) calls, which a
+loaded machine disturbs less. Issue 13's target: kiln/ort ≥ 0.95 over the zoo shapes.
 
     python bench/gemm.py [--threads 2] [--tune off|quick|full] [--tune-budget S]
                          [--only zoo|square] [--max-shapes N] [--seconds 0.4]
+                         [--peers numpy,ort,ov]
 """
 from __future__ import annotations
 
@@ -44,6 +48,7 @@ from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.peers import openvino_call, ort_session  # noqa: E402
 from kiln import frontend  # noqa: E402
 from kiln.errors import KilnError  # noqa: E402
 from kiln.pipeline import CompileOptions, compile_artifact  # noqa: E402
@@ -53,6 +58,7 @@ from kiln.runtime.loader import CompiledModel  # noqa: E402
 
 MODELS = ROOT / "bench" / "models"
 SQUARES = (512, 1024, 1536, 2048)
+PEERS = ("numpy", "ort", "ov")
 
 
 @dataclass(frozen=True)
@@ -218,6 +224,21 @@ def measure(calls: dict, seconds: float) -> dict[str, tuple[float, float]]:
     return {name: (statistics.median(t), min(t)) for name, t in times.items()}
 
 
+def peer_calls(case: Case, path: Path, feeds: dict, consts: dict, peers: list[str],
+               threads: int) -> dict:
+    """One call per peer computing `case` on `feeds`, each returning the output array."""
+    calls = {}
+    if "numpy" in peers:
+        calls["numpy"] = numpy_call(case, feeds, consts)
+    if "ort" in peers:
+        session = ort_session(path, threads)
+        calls["ort"] = lambda: session.run(None, feeds)[0]
+    if "ov" in peers:
+        ov_run = openvino_call(path, feeds, threads)
+        calls["ov"] = lambda: ov_run()[0]
+    return calls
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
@@ -228,9 +249,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-shapes", type=int, default=0, help="first N zoo shapes only")
     parser.add_argument("--seconds", type=float, default=0.4,
                         help="time per contender per shape (sets the rounds)")
+    parser.add_argument("--peers", default=",".join(PEERS),
+                        help="references: numpy, ort (onnxruntime), ov (OpenVINO); default all")
     args = parser.parse_args(argv)
     if str(args.threads) != os.environ["OPENBLAS_NUM_THREADS"]:
         raise SystemExit("--threads must be given on the command line (read before numpy loads)")
+    peers = [p for p in args.peers.split(",") if p]
+    if not peers or not set(peers) <= set(PEERS):
+        parser.error(f"--peers: choose from {', '.join(PEERS)}")
 
     cases = []
     if args.only != "square":
@@ -241,13 +267,13 @@ def main(argv: list[str] | None = None) -> int:
     store = default_store()
     rng = np.random.default_rng(0)
     options = CompileOptions(tune=args.tune, tune_budget=args.tune_budget)
-    print(f"kiln GEMM vs numpy matmul ({np.__version__}, "
+    print(f"kiln GEMM vs {', '.join(_LABELS[p] for p in peers)} (numpy {np.__version__} with "
           f"{_blas_name()}), {args.threads} threads, tune={args.tune}")
-    header = (f"{'shape':48s} {'kiln GF/s':>10s} {'numpy GF/s':>10s} {'ratio':>6s} "
-              f"{'best':>6s} {'max|diff|':>9s}  models")
+    header = (f"{'shape':48s} {'kiln GF/s':>10s} " +
+              " ".join(f"{_LABELS[p] + ' GF/s':>13s}" for p in peers) + " " +
+              " ".join(f"{'k/' + p:>7s}" for p in peers) + f" {'max|diff|':>9s}  models")
     print(header)
-    ratios: dict[str, list[float]] = {"zoo": [], "square": []}
-    best_ratios: dict[str, list[float]] = {"zoo": [], "square": []}
+    ratios: dict[tuple[str, str, str], list[float]] = {}  # (group, peer, median|best)
     failures = []
     with tempfile.TemporaryDirectory(prefix="kiln-gemm-") as tmp:
         for i, case in enumerate(cases):
@@ -261,27 +287,34 @@ def main(argv: list[str] | None = None) -> int:
             except KilnError as exc:
                 failures.append(f"{case.label()}: {str(exc).splitlines()[0]}")
                 continue
-            ours = compiled.run(**feeds)[0]
+            calls = {"kiln": lambda: compiled.run(**feeds)[0],
+                     **peer_calls(case, path, feeds, consts, peers, args.threads)}
             theirs = numpy_call(case, feeds, consts)()
-            diff = float(np.max(np.abs(ours - theirs)))
-            ms = measure({"kiln": lambda: compiled.run(**feeds),
-                          "numpy": numpy_call(case, feeds, consts)}, args.seconds)
-            gk, gn = case.flops / ms["kiln"][0] / 1e9, case.flops / ms["numpy"][0] / 1e9
-            best = ms["numpy"][1] / ms["kiln"][1]
+            diff = max(float(np.max(np.abs(call() - theirs))) for call in calls.values())
+            ms = measure(calls, args.seconds)
             group = "square" if case.origin == "square" else "zoo"
-            ratios[group].append(gk / gn)
-            best_ratios[group].append(best)
-            print(f"{case.label():48s} {gk:10.1f} {gn:10.1f} {gk / gn:6.2f} {best:6.2f} "
-                  f"{diff:9.2g}  {case.origin}", flush=True)
+            for peer in peers:
+                ratios.setdefault((group, peer, "median"), []).append(ms[peer][0] / ms["kiln"][0])
+                ratios.setdefault((group, peer, "best"), []).append(ms[peer][1] / ms["kiln"][1])
+            gflops = {name: case.flops / t[0] / 1e9 for name, t in ms.items()}
+            print(f"{case.label():48s} {gflops['kiln']:10.1f} " +
+                  " ".join(f"{gflops[p]:13.1f}" for p in peers) + " " +
+                  " ".join(f"{ms[p][0] / ms['kiln'][0]:7.2f}" for p in peers) +
+                  f" {diff:9.2g}  {case.origin}", flush=True)
             compiled.close()
-    for group, values in ratios.items():
-        if values:
-            medians, best = (statistics.geometric_mean(v) for v in (values, best_ratios[group]))
-            print(f"geomean kiln/numpy over {group} shapes ({len(values)}): "
-                  f"{medians:.2f} (medians), {best:.2f} (best times)")
+    for group in ("zoo", "square"):
+        for peer in peers:
+            medians, best = ratios.get((group, peer, "median")), ratios.get((group, peer, "best"))
+            if medians:
+                print(f"geomean kiln/{peer} over {group} shapes ({len(medians)}): "
+                      f"{statistics.geometric_mean(medians):.2f} (medians), "
+                      f"{statistics.geometric_mean(best):.2f} (best times)")
     for failure in failures:
         print(f"not compiled: {failure}")
     return 0
+
+
+_LABELS = {"numpy": "numpy", "ort": "ort", "ov": "openvino"}
 
 
 def _blas_name() -> str:

@@ -1,13 +1,22 @@
-"""Latency of Kiln artifacts against onnxruntime on the full-size zoo models, side by side.
+"""Latency of Kiln artifacts against onnxruntime and OpenVINO, side by side.
 
 For each model: the artifact compiled with dnnfusion, the artifact compiled with partitioner
-none, and onnxruntime (ORT_ENABLE_ALL), all with the same number of threads (default 2), run
-interleaved — one call of each per round — so machine noise hits all three alike. Artifacts run
-in-process through the loader. Prints median milliseconds and the ratios artifact/ort and
-none/dnnfusion, and each artifact's max |diff| against onnxruntime. The order of the three rotates
-each round, and each timed call starts after a short pause (see `interleaved_medians`).
+none, onnxruntime (ORT_ENABLE_ALL) and OpenVINO (CPU, f32: PERFORMANCE_HINT=LATENCY,
+INFERENCE_PRECISION_HINT=f32), all with the same number of threads (default 2), run interleaved —
+one call of each per round — so machine noise hits all alike. Artifacts run in-process through
+the loader. The order rotates each round, and each timed call starts after a short pause (see
+`interleaved_medians`). Prints median milliseconds, each Kiln build against the fastest peer
+(the lower of onnxruntime and OpenVINO: the `Kiln / fastest` column), none/dnnfusion, the
+artifact's max |diff| against onnxruntime, and geomeans of the ratios.
 
-    python bench/latency.py [--models bert-base,resnet50] [--rounds 20] [--threads 2] [--keep DIR]
+`--models` takes zoo names (bench/zoo.py, exported on first use), names of the architectures
+outside the zoo (bench/unseen.py; `unseen` for all of them, `zoo` for the zoo) and paths to
+.onnx files; the inputs of a file are random valid ones derived from its declared inputs
+(kiln.runtime.inputs), its symbolic dimensions fixed by `--shape NAME=D0,D1,…` as in
+`kiln compile`.
+
+    python bench/latency.py [--models bert-base,resnet50,my.onnx] [--shape ids=1,128]
+                            [--peers ort,ov] [--rounds 20] [--threads 2] [--keep DIR]
 """
 from __future__ import annotations
 
@@ -16,34 +25,59 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.peers import openvino_call, ort_session
 from bench.zoo import MODELS, ensure_model, make_inputs
+from kiln import frontend
 from kiln.errors import KilnError
 from kiln.pipeline import CompileOptions, compile_artifact
 from kiln.profile.local import default_store
-from kiln.runtime.artifact import open_artifact
+from kiln.runtime.artifact import TensorInfo, open_artifact
+from kiln.runtime.inputs import random_inputs
 from kiln.runtime.loader import CompiledModel
 
 PARTITIONERS = ("dnnfusion", "none")
+PEERS = ("ort", "ov")
 SETTLE_S = 0.05  # pause before each timed call, so no thread pool is still spinning from the last
 WARM_S = 0.02  # untimed calls (at least one) after the pause, for at least this long
 
 
-def ort_session(path: Path, threads: int) -> ort.InferenceSession:
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1
-    options.log_severity_level = 3
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+@dataclass(frozen=True)
+class BenchModel:
+    """A model to time: its label, ONNX file, fixed input shapes and one set of inputs."""
+
+    name: str
+    path: Path
+    inputs: dict[str, np.ndarray]
+    shapes: Mapping[str, Sequence[int]] = field(default_factory=dict)  # for symbolic dims
+
+
+def bench_model(spec: str, shapes: Mapping[str, Sequence[int]] | None = None) -> BenchModel:
+    """A zoo name (its full-size export), the name of an architecture outside the zoo
+    (bench/unseen.py) or the path of an .onnx file."""
+    from bench import unseen
+
+    if spec in MODELS:
+        return BenchModel(spec, ensure_model(spec), make_inputs(spec))
+    if spec in unseen.MODELS:
+        return BenchModel(spec, unseen.ensure_model(spec), unseen.make_inputs(spec))
+    path = Path(spec)
+    if path.suffix != ".onnx" or not path.is_file():
+        raise SystemExit(f"--models: {spec!r} is neither a model of the zoo ({', '.join(MODELS)}) "
+                         f"or outside it ({', '.join(unseen.MODELS)}) nor an .onnx file")
+    shapes = dict(shapes or {})
+    graph = frontend.load(path, shapes)
+    declared = [TensorInfo(graph.tensors[t].source_name or t, graph.tensors[t].dtype,
+                           tuple(graph.tensors[t].shape)) for t in graph.inputs]
+    return BenchModel(path.stem, path, random_inputs(declared, graph), shapes)
 
 
 @contextmanager
@@ -57,34 +91,40 @@ def work_folder(keep: Path | None, prefix: str) -> Iterator[Path]:
         yield Path(tmp)
 
 
-def zoo_artifact(name: str, partitioner: str, work: Path) -> Path:
-    """The full-size zoo model `name` compiled with `partitioner` into `work` (kept there and
-    reused by later runs given the same folder)."""
-    out = work / f"{name}-{partitioner}.kiln"
+def kiln_artifact(model: BenchModel, partitioner: str, work: Path) -> Path:
+    """`model` compiled with `partitioner` into `work` (kept there and reused by later runs
+    given the same folder)."""
+    out = work / f"{model.name}-{partitioner}.kiln"
     if not out.exists():
         start = time.perf_counter()
-        compile_artifact(ensure_model(name), out, CompileOptions(partitioner=partitioner),
-                         default_store())
-        print(f"  compiled {name} with {partitioner} in {time.perf_counter() - start:.1f} s",
+        compile_artifact(model.path, out, CompileOptions(partitioner=partitioner,
+                                                         shapes=model.shapes), default_store())
+        print(f"  compiled {model.name} with {partitioner} in {time.perf_counter() - start:.1f} s",
               file=sys.stderr)
     return out
 
 
-def contenders(name: str, threads: int, work: Path) -> tuple[dict[str, Callable], dict[str, str]]:
-    """Callables running one inference each (by contender name), and compile failures."""
-    path = ensure_model(name)
-    inputs = make_inputs(name)
-    session = ort_session(path, threads)
+def contenders(model: BenchModel, threads: int, work: Path,
+               peers: Sequence[str] = PEERS) -> tuple[dict[str, Callable], dict[str, str]]:
+    """Callables running one inference each (by contender name; onnxruntime's, "ort", always
+    there as the reference), and the contenders that could not be built, with the reason."""
+    inputs = model.inputs
+    session = ort_session(model.path, threads)
     calls: dict[str, Callable] = {"ort": lambda: session.run(None, inputs)}
     failures = {}
+    if "ov" in peers:
+        try:
+            calls["ov"] = openvino_call(model.path, inputs, threads)
+        except RuntimeError as exc:  # OpenVINO reports unsupported models as RuntimeError
+            failures["ov"] = str(exc).strip().splitlines()[0]
     for partitioner in PARTITIONERS:
         try:
-            out = zoo_artifact(name, partitioner, work)
-            model = CompiledModel(open_artifact(out, work / "extracted" / out.stem), threads)
+            out = kiln_artifact(model, partitioner, work)
+            compiled = CompiledModel(open_artifact(out, work / "extracted" / out.stem), threads)
         except KilnError as exc:
             failures[partitioner] = str(exc).splitlines()[0]
             continue
-        calls[partitioner] = lambda model=model: model.run(**inputs)
+        calls[partitioner] = lambda compiled=compiled: compiled.run(**inputs)
     return calls, failures
 
 
@@ -124,38 +164,84 @@ def ratio(a: float | None, b: float | None) -> str:
 
 
 def zoo_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The options every zoo benchmark that compiles artifacts takes."""
-    parser.add_argument("--models", default=",".join(MODELS))
+    """The options every zoo benchmark that compiles artifacts takes (see `bench_models`)."""
+    parser.add_argument("--models", default="zoo",
+                        help="comma-separated model names (bench/zoo.py, bench/unseen.py), "
+                             ".onnx paths, and the groups zoo and unseen (default: zoo)")
+    parser.add_argument("--shape", action="append", default=[], metavar="NAME=D0,D1,…",
+                        help="value of an .onnx input's symbolic dimensions (repeatable)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--keep", type=Path, help="compile into (and reuse artifacts from) DIR")
     return parser
 
 
+def bench_models(args: argparse.Namespace) -> Iterator[BenchModel]:
+    """The models `zoo_arguments` named, one at a time (each is exported or loaded on demand)."""
+    try:
+        shapes = dict(frontend.parse_shape_arg(s) for s in args.shape)
+    except KilnError as exc:
+        raise SystemExit(f"--shape: {exc}") from None
+    from bench import unseen
+
+    groups = {"zoo": list(MODELS), "unseen": list(unseen.MODELS)}
+    for spec in filter(None, (s.strip() for s in args.models.split(","))):
+        for name in groups.get(spec, [spec]):
+            yield bench_model(name, shapes)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = zoo_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
+    parser.add_argument("--peers", default=",".join(PEERS),
+                        help="runtimes to compare with: ort (onnxruntime, always run as the "
+                             "reference of the outputs), ov (OpenVINO); default both")
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     args = parser.parse_args(argv)
-    header = (f"{'model':16s} {'dnnfusion ms':>12s} {'none ms':>10s} {'ort ms':>10s} "
-              f"{'dnnf/ort':>9s} {'none/ort':>9s} {'none/dnnf':>9s} {'max|diff| dnnf':>14s}")
+    peers = [p for p in args.peers.split(",") if p]
+    if not set(peers) <= set(PEERS):
+        parser.error(f"--peers: choose from {', '.join(PEERS)}")
+    columns = ("dnnfusion", "none", *peers)
+    header = (f"{'model':16s} " + " ".join(f"{_LABELS[c] + ' ms':>12s}" for c in columns) +
+              f" {'dnnf/fastest':>12s} {'none/fastest':>12s} {'none/dnnf':>9s} "
+              f"{'max|diff| dnnf':>14s} {'max|diff| ov':>12s}")
     rows, notes = [], []
+    ratios: dict[str, list[float]] = {key: [] for key in ("dnnfusion", "none", *(
+        f"dnnfusion/{p}" for p in peers))}
     with work_folder(args.keep, "kiln-latency-") as work:
-        for name in args.models.split(","):
-            calls, failures = contenders(name, args.threads, work)
-            notes += [f"{name} [{p}]: {reason}" for p, reason in failures.items()]
+        for model in bench_models(args):
+            calls, failures = contenders(model, args.threads, work, peers)
+            notes += [f"{model.name} [{p}]: {reason}" for p, reason in failures.items()]
             diffs = max_diff(calls)
             ms = interleaved_medians(calls, args.rounds, args.warmup)
-            dnnf, none, ort_ms = ms.get("dnnfusion"), ms.get("none"), ms["ort"]
-            rows.append(f"{name:16s} {_ms(dnnf):>12s} {_ms(none):>10s} {_ms(ort_ms):>10s} "
-                        f"{ratio(dnnf, ort_ms):>9s} {ratio(none, ort_ms):>9s} "
-                        f"{ratio(none, dnnf):>9s} {diffs.get('dnnfusion', float('nan')):14.3g}")
+            fastest = min(ms[p] for p in peers if p in ms)
+            for key in ratios:
+                ours, _, peer = key.partition("/")
+                if ours in ms and (not peer or peer in ms):
+                    ratios[key].append(ms[ours] / (ms[peer] if peer else fastest))
+            rows.append(f"{model.name:16s} " +
+                        " ".join(f"{_ms(ms.get(c)):>12s}" for c in columns) +
+                        f" {ratio(ms.get('dnnfusion'), fastest):>12s}"
+                        f" {ratio(ms.get('none'), fastest):>12s}"
+                        f" {ratio(ms.get('none'), ms.get('dnnfusion')):>9s}"
+                        f" {diffs.get('dnnfusion', float('nan')):14.3g}"
+                        f" {diffs.get('ov', float('nan')):12.3g}")
             print(rows[-1], file=sys.stderr)
-    print(f"median latency, {args.threads} threads, {args.rounds} interleaved rounds")
+    print(f"median latency, {args.threads} threads, {args.rounds} interleaved rounds; "
+          f"fastest = the faster of {', '.join(_LABELS[p] for p in peers)}")
     print(header)
     print("\n".join(rows))
+    for key, values in ratios.items():
+        if values:
+            ours, _, peer = key.partition("/")
+            against = _LABELS[peer] if peer else "fastest peer"
+            print(f"geomean {_LABELS[ours]} / {against}: "
+                  f"{statistics.geometric_mean(values):.2f} over {len(values)} model(s)")
     for note in notes:
-        print(f"not compiled: {note}")
+        print(f"not built: {note}")
     return 0
+
+
+_LABELS = {"dnnfusion": "dnnfusion", "none": "none", "ort": "ort", "ov": "openvino"}
 
 
 def _ms(value: float | None) -> str:

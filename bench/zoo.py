@@ -72,6 +72,8 @@ from transformers import (
     AlbertModel,
     BertConfig,
     BertModel,
+    ConvNextConfig,
+    ConvNextModel,
     DistilBertConfig,
     DistilBertModel,
     EfficientNetConfig,
@@ -86,6 +88,8 @@ from transformers import (
     PreTrainedModel,
     ResNetConfig,
     ResNetModel,
+    SwinConfig,
+    SwinModel,
     ViTConfig,
     ViTModel,
 )
@@ -362,6 +366,30 @@ def _resnet(*, embedding: int, hidden_sizes: list[int], depths: list[int], image
     return _hf_variant(ResNetModel, ResNetConfig, config, _image_inputs(image), outputs)
 
 
+def _convnext(*, hidden_sizes: list[int], depths: list[int], image: int) -> ZooVariant:
+    config = {"hidden_sizes": hidden_sizes, "depths": depths, "num_stages": len(depths), "image_size": image}
+    # Patchify stem (stride 4), then every stage after the first halves the map.
+    side = image // 4 // 2 ** (len(depths) - 1)
+    outputs = _feature_map_outputs(hidden_sizes[-1], side, flat_pooler=True)
+    return _hf_variant(ConvNextModel, ConvNextConfig, config, _image_inputs(image), outputs)
+
+
+def _swin(*, embed_dim: int, depths: list[int], heads: list[int], window: int, image: int, patch: int) -> ZooVariant:
+    config = {
+        "embed_dim": embed_dim,
+        "depths": depths,
+        "num_heads": heads,
+        "window_size": window,
+        "image_size": image,
+        "patch_size": patch,
+    }
+    # Patch embedding, then every stage after the first merges 2x2 patches and doubles the width.
+    side = image // patch // 2 ** (len(depths) - 1)
+    hidden = embed_dim * 2 ** (len(depths) - 1)
+    outputs = _sequence_outputs(side * side, hidden, pooled=True)
+    return _hf_variant(SwinModel, SwinConfig, config, _image_inputs(image), outputs)
+
+
 def _efficientnet(config: Mapping[str, Any], *, image: int, hidden_dim: int, downsampling: int) -> ZooVariant:
     outputs = _feature_map_outputs(hidden_dim, image // downsampling, flat_pooler=True)
     config = {**config, "image_size": image, "hidden_dim": hidden_dim}
@@ -478,6 +506,19 @@ MODELS: dict[str, ZooModel] = {
             tiny=_resnet(embedding=8, hidden_sizes=[16, 32], depths=[1, 1], image=TINY_IMAGE),
         ),
         ZooModel(
+            "convnext-t",
+            "ConvNeXt-T at 224x224: stages of depth 3, 3, 9, 3, widths 96-768",
+            full=_convnext(hidden_sizes=[96, 192, 384, 768], depths=[3, 3, 9, 3], image=FULL_IMAGE),
+            tiny=_convnext(hidden_sizes=[8, 16], depths=[1, 1], image=TINY_IMAGE),
+        ),
+        ZooModel(
+            "swin-t",
+            "Swin-T at 224x224: window 7, stages of depth 2, 2, 6, 2, embedding 96",
+            full=_swin(embed_dim=96, depths=[2, 2, 6, 2], heads=[3, 6, 12, 24], window=7, image=FULL_IMAGE, patch=4),
+            # Two blocks in the first stage, so the second one has shifted windows (and their mask).
+            tiny=_swin(embed_dim=16, depths=[2, 1], heads=[2, 2], window=4, image=TINY_IMAGE, patch=4),
+        ),
+        ZooModel(
             "efficientnet-b0",
             "EfficientNet-B0: width and depth coefficient 1.0, 16 MBConv blocks",
             full=_efficientnet(_EFFICIENTNET_B0, image=FULL_IMAGE, hidden_dim=1280, downsampling=32),
@@ -512,8 +553,12 @@ def output_specs(name: str, size: str = "full") -> tuple[TensorSpec, ...]:
 
 def make_inputs(name: str, size: str = "full", seed: int = SEED) -> dict[str, np.ndarray]:
     """Random inputs that are valid for the model's graph inputs."""
+    return variant_inputs(MODELS[name].variant(size), seed)
+
+
+def variant_inputs(variant: ZooVariant, seed: int = SEED) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
-    return {spec.name: _random_value(spec, rng) for spec in input_specs(name, size)}
+    return {spec.name: _random_value(spec, rng) for spec in variant.inputs}
 
 
 def model_path(name: str, size: str = "full", out_dir: str | os.PathLike[str] | None = None) -> Path:
@@ -532,21 +577,29 @@ def ensure_model(name: str, size: str = "full", out_dir: str | os.PathLike[str] 
 
 def build_module(name: str, size: str = "full") -> nn.Module:
     """The seeded torch model that ``export_model`` exports, in eval mode."""
+    return build_variant(MODELS[name].variant(size))
+
+
+def build_variant(variant: ZooVariant) -> nn.Module:
     torch.manual_seed(SEED)
-    module = MODELS[name].variant(size).build().eval()
+    module = variant.build().eval()
     _randomize_constant_init(module)
     return module
 
 
 def export_model(name: str, size: str, path: Path) -> ExportReport:
     """Export, validate, and only then move the model into place at ``path``."""
-    variant = MODELS[name].variant(size)
-    inputs = make_inputs(name, size)
+    return export_variant(name, size, MODELS[name].variant(size), path)
+
+
+def export_variant(name: str, size: str, variant: ZooVariant, path: Path) -> ExportReport:
+    """Export ``variant`` (any model described as the zoo's are, see bench/unseen.py) to ``path``."""
+    inputs = variant_inputs(variant)
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = path.with_name(f"{path.name}.{os.getpid()}.partial")
     start = time.perf_counter()
     try:
-        expected = _export_torchscript(build_module(name, size), variant, inputs, staging)
+        expected = _export_torchscript(build_variant(variant), variant, inputs, staging)
         _declare_static_outputs(staging, variant.outputs)
         max_abs_diff = _validate(staging, variant, inputs, expected)
         os.replace(staging, path)
