@@ -11,7 +11,7 @@ from kiln import frontend
 from kiln.errors import KilnError
 from kiln.pipeline import CompileOptions, compile_artifact, compile_model
 from kiln.plan import partitioner_names
-from kiln.report import format_report
+from kiln.report import format_report, format_tuning
 from kiln.target import TARGET_NAMES
 from kiln.tune import DEFAULT_BUDGET_S, TUNE_MODES, check_budget
 
@@ -77,20 +77,6 @@ def _seconds(text: str) -> float:
         return check_budget(text)
     except KilnError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def format_tuning(t: dict) -> str:
-    if "all" in t.get("skipped", {}):
-        return f"tuning ({t['mode']}): skipped: {t['skipped']['all']}"
-    lines = [f"tuning ({t['mode']}, {t['threads']} threads): {len(t['groups'])} distinct blocks, "
-             f"{t['measured']} kernels measured, {t['reused']} reused from the profile database, "
-             f"{t['failed']} failed; {t['seconds']:.1f} s of {t['budget_s']:g} s; "
-             f"{len(t['schedules'])} blocks with a non-default schedule"]
-    for g in t["groups"]:
-        if g["best_ms"] and g["default_ms"]:
-            lines.append(f"  {g['name'][:48]:48s} x{g['blocks']:<3d} {g['default_ms']:9.3f} ms -> "
-                         f"{g['best_ms']:9.3f} ms  {json.dumps(g['best'])}")
-    return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,6 +1,7 @@
 """The fusion report: what the compiler did to a model, as JSON and as a readable table."""
 from __future__ import annotations
 
+import json
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
@@ -64,3 +65,18 @@ def format_report(report: dict[str, Any]) -> str:
 def _flops_change(before: int, after: int) -> str:
     change = f" ({(after - before) / before:+.1%})" if before else ""
     return f"{before:,} -> {after:,}{change}"
+
+
+def format_tuning(t: dict) -> str:
+    """The tuning section of a report (`report["tuning"]`) as readable lines."""
+    if "all" in t.get("skipped", {}):
+        return f"tuning ({t['mode']}): skipped: {t['skipped']['all']}"
+    lines = [f"tuning ({t['mode']}, {t['threads']} threads): {len(t['groups'])} distinct blocks, "
+             f"{t['measured']} kernels measured, {t['reused']} reused from the profile database, "
+             f"{t['failed']} failed; {t['seconds']:.1f} s of {t['budget_s']:g} s; "
+             f"{len(t['schedules'])} blocks with a non-default schedule"]
+    for g in t["groups"]:
+        if g["best_ms"] and g["default_ms"]:
+            lines.append(f"  {g['name'][:48]:48s} x{g['blocks']:<3d} {g['default_ms']:9.3f} ms -> "
+                         f"{g['best_ms']:9.3f} ms  {json.dumps(g['best'])}")
+    return "\n".join(lines)

@@ -211,7 +211,7 @@ def test_create_job_with_tuning(api):
 
 def test_kiln_submit_and_the_client_send_tuning(api, monkeypatch, capsys):
     from kiln.cli import main
-    from service import cli
+    from service.cli import jobs as cli
     from service.client import KilnClient
 
     client, _, _, _ = api
