@@ -1,9 +1,10 @@
-"""FastAPI dependencies: the process's settings, database and storage, and the caller's tenant."""
+"""FastAPI dependencies: the process's settings, database and storage, the caller's tenant, and
+the paging parameters of list routes."""
 from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Depends, Query, Request
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 
 from service.db import Database
@@ -49,3 +50,7 @@ Tenant = Annotated[str, Depends(current_tenant)]
 DB = Annotated[Database, Depends(get_db)]
 Store = Annotated[Storage, Depends(get_storage)]
 Config = Annotated[Settings, Depends(get_settings)]
+
+MAX_OFFSET = 2**63 - 1  # a SQL OFFSET is a signed 64-bit integer on every database
+Limit = Annotated[int, Query(ge=1, le=1000, description="at most this many items")]
+Offset = Annotated[int, Query(ge=0, le=MAX_OFFSET, description="skip this many items first")]

@@ -5,13 +5,12 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Annotated
 
-from fastapi import APIRouter, Query, Request, Response
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import FileResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from service.deps import DB, Config, Store, Tenant
+from service.deps import DB, Config, Limit, Offset, Store, Tenant
 from service.jobs import service
 from service.jobs.schemas import JobCreate, JobOut, JobState, job_out
 from service.jobs.tables import TERMINAL
@@ -41,9 +40,8 @@ def create_job(body: JobCreate, request: Request, response: Response, tenant: Te
 
 
 @router.get("", response_model=list[JobOut], summary="List your jobs, newest first")
-def list_jobs(tenant: Tenant, db: DB, state: JobState | None = None,
-              limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-              offset: Annotated[int, Query(ge=0)] = 0):
+def list_jobs(tenant: Tenant, db: DB, state: JobState | None = None, limit: Limit = 100,
+              offset: Offset = 0):
     return [job_out(j, a) for j, a in service.list_jobs(db, tenant, state, limit, offset)]
 
 
@@ -63,7 +61,8 @@ def cancel_job(job_id: str, request: Request, tenant: Tenant, db: DB):
 
 
 @router.get("/{job_id}/artifact", response_class=FileResponse, responses=_CONFLICT | {
-    200: {"content": {"application/octet-stream": {}}, "description": "the .kiln artifact"}},
+    200: {"content": {"application/octet-stream": {}}, "description": "the .kiln artifact"},
+    410: PROBLEM_RESPONSES[422] | {"description": "the artifact is no longer stored"}},
     summary="Download the compiled artifact")
 def get_artifact(job_id: str, tenant: Tenant, db: DB, storage: Store):
     job, artifact = service.get(db, tenant, job_id)
@@ -71,7 +70,12 @@ def get_artifact(job_id: str, tenant: Tenant, db: DB, storage: Store):
         raise APIError(409, "Conflict", f"job {job_id} has no artifact: it is {job.state}")
     model = models.get(db, tenant, job.model_id)
     name = f"{Path(model.filename).stem or 'model'}.kiln"
-    return FileResponse(storage.resolve(artifact.path), media_type="application/octet-stream",
+    path = storage.resolve(artifact.path)
+    if not path.is_file():
+        log.error("job %s: artifact %s is missing from storage", job_id, path)
+        raise APIError(410, "Gone", f"the artifact of job {job_id} is no longer stored; submit "
+                       "the job again to rebuild it")
+    return FileResponse(path, media_type="application/octet-stream",
                         filename=name, headers={"X-Kiln-SHA256": artifact.sha256})
 
 

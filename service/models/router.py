@@ -6,7 +6,7 @@ from fastapi import APIRouter, Query, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from kiln.errors import ModelError
-from service.deps import DB, Config, Store, Tenant
+from service.deps import DB, Config, Limit, Offset, Store, Tenant
 from service.models import service
 from service.models.schemas import ModelOut
 from service.problems import PROBLEM_RESPONSES, APIError
@@ -63,8 +63,7 @@ async def upload_model(request: Request, response: Response, tenant: Tenant, db:
 
 
 @router.get("", response_model=list[ModelOut], summary="List your models")
-def list_models(tenant: Tenant, db: DB, limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-                offset: Annotated[int, Query(ge=0)] = 0):
+def list_models(tenant: Tenant, db: DB, limit: Limit = 100, offset: Offset = 0):
     return service.list_models(db, tenant, limit, offset)
 
 

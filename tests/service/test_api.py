@@ -284,3 +284,24 @@ def test_unknown_routes_are_problems(api):
     refused(client.get("/v1/nothing"), 404, "Not Found")
     refused(client.delete("/v1/jobs"), 405, "Method Not Allowed")
     refused(client.get("/v1/jobs/nope"), 404, "nope")
+
+
+def test_offsets_past_64_bits_are_refused(api):
+    client, _, _, _ = api
+    for path in ("/v1/jobs", "/v1/models"):
+        assert client.get(path, params={"offset": 2**63 - 1}).json() == []
+        for offset in (2**63, 10**30):
+            refused(client.get(path, params={"offset": offset}), 422, "offset")
+
+
+def test_an_artifact_missing_from_storage_is_gone(api):
+    from tests.service.conftest import finish_job
+
+    client, settings, _, _ = api
+    job_id = client.post("/v1/jobs", json={"model_id": _model_id(client)}).json()["id"]
+    stored = finish_job(settings, job_id, b"compiled")
+    assert client.get(f"/v1/jobs/{job_id}/artifact").content == b"compiled"
+    stored.unlink()
+    refused(client.get(f"/v1/jobs/{job_id}/artifact"), 410, job_id, "no longer stored")
+    assert client.get(f"/v1/jobs/{job_id}/report").status_code == 200
+    assert client.get(f"/v1/jobs/{job_id}").json()["state"] == "succeeded"
