@@ -27,7 +27,12 @@ def check_shapes(inputs: list[dict[str, Any]], shapes: dict[str, list[int]]) -> 
                 raise APIError(422, "Unprocessable Content", f"shapes: dimension {axis} of input "
                                f"{name!r} is fixed at {want}, got {got}")
     for info in inputs:
-        symbolic = [d for d in info["shape"] if not isinstance(d, int) or d <= 0]
+        invalid = [d for d in info["shape"] if isinstance(d, int) and d <= 0]
+        if invalid:  # recorded before uploads checked their dimensions
+            raise APIError(422, "Unprocessable Content", f"input {info['name']!r} declares the "
+                           f"invalid dimension(s) {', '.join(map(str, invalid))}; upload the model "
+                           "again with positive or named (dim_param) dimensions")
+        symbolic = [d for d in info["shape"] if not isinstance(d, int)]
         if symbolic and info["name"] not in shapes:
             raise APIError(422, "Unprocessable Content", f"input {info['name']!r} has symbolic "
                            f"dimension(s) {', '.join(map(repr, symbolic))}: give its shape in "

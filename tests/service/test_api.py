@@ -3,8 +3,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import onnx
 import pytest
 from sqlalchemy import func, select
+
+from kiln.frontend import MAX_TENSOR_ELEMENTS
 
 from service.db import database
 from service.jobs.tables import Job
@@ -305,3 +308,62 @@ def test_an_artifact_missing_from_storage_is_gone(api):
     refused(client.get(f"/v1/jobs/{job_id}/artifact"), 410, job_id, "no longer stored")
     assert client.get(f"/v1/jobs/{job_id}/report").status_code == 200
     assert client.get(f"/v1/jobs/{job_id}").json()["state"] == "succeeded"
+
+
+def _with_input_dims(dims: list) -> onnx.ModelProto:
+    model = add_model("Relu")
+    for value in (model.graph.input[0], model.graph.output[0]):
+        del value.type.tensor_type.shape.dim[:]
+        for d in dims:
+            value.type.tensor_type.shape.dim.add().dim_value = d
+    return model
+
+
+@pytest.mark.parametrize("dims, words", [
+    ([-5, 4], ("'x'", "-5", "positive")),
+    ([0, 4], ("'x'", "0", "positive")),
+    ([1 << 20, 1 << 20], ("'x'", "elements", str(MAX_TENSOR_ELEMENTS))),
+])
+def test_inputs_with_impossible_declared_dims_are_refused(api, tmp_path, dims, words):
+    client, settings, _, _ = api
+    data = save(_with_input_dims(dims), tmp_path / "m.onnx").read_bytes()
+    refused(upload(client, data), 422, *words)
+    stored_nothing(settings)
+
+
+def test_external_data_is_refused_at_upload(api, tmp_path):
+    """An upload is one file: external data never reaches the worker, even data in the model's
+    own file or under keys onnx does not know."""
+    client, settings, _, _ = api
+    itself = external_data_model("m.onnx")
+    refused(upload(client, save(itself, tmp_path / "m.onnx").read_bytes()), 422, "'w'",
+            "external")
+    unknown = external_data_model("m.onnx")
+    entry = unknown.graph.initializer[0].external_data.add()
+    entry.key, entry.value = "colour", "blue"
+    refused(upload(client, save(unknown, tmp_path / "m.onnx").read_bytes()), 422, "external")
+    stored_nothing(settings)
+
+
+def test_job_shapes_are_bounded_like_the_compiler(api, tmp_path):
+    client, settings, dispatcher, _ = api
+    model_id = upload(client, save(add_model("Relu", symbolic=True), tmp_path / "m.onnx")
+                      .read_bytes()).json()["id"]
+    for batch in (10**30, MAX_TENSOR_ELEMENTS):
+        refused(client.post("/v1/jobs", json={"model_id": model_id, "shapes": {"x": [batch, 4]}}),
+                422, "'x'", str(MAX_TENSOR_ELEMENTS))
+    assert dispatcher.enqueued == []
+    ok = client.post("/v1/jobs", json={"model_id": model_id, "shapes": {"x": [3, 4]}})
+    assert ok.status_code == 202
+
+
+def test_a_stored_negative_dimension_is_not_called_symbolic(api, tmp_path):
+    """A model recorded before uploads checked their dims: the job is refused as invalid."""
+    client, settings, _, _ = api
+    model_id = _model_id(client)
+    with database(settings.database_url).write() as s:
+        s.get(ModelRecord, model_id).inputs = [{"name": "input_ids", "dtype": "int64",
+                                                "shape": [-5, 16]}]
+    response = client.post("/v1/jobs", json={"model_id": model_id})
+    refused(response, 422, "'input_ids'", "-5", "invalid")
+    assert "symbolic" not in response.json()["detail"]
