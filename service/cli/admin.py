@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from service.cli.environment import load_settings
+from service.cli.output import print_table
 
 
 def add_commands(commands) -> None:
@@ -19,6 +20,13 @@ def add_commands(commands) -> None:
     key.add_argument("tenant", help="tenant name or id")
     key.add_argument("--name", default="", help="a label for the key")
     key.set_defaults(handler=_create_key)
+    keys = admin_commands.add_parser("list-keys", help="list API keys (never their secrets)")
+    keys.add_argument("--tenant", help="only this tenant's (name or id)")
+    keys.set_defaults(handler=_list_keys)
+    revoke_key = admin_commands.add_parser("revoke-key", help="revoke an API key: requests with "
+                                           "it get 401 from now on")
+    revoke_key.add_argument("key", help="the key's id or prefix (from list-keys), or the key")
+    revoke_key.set_defaults(handler=_revoke_key)
     agent = admin_commands.add_parser("create-agent", help="add a device agent; print its token "
                                       "(shown once, stored hashed)")
     agent.add_argument("name", help="a unique name for the agent")
@@ -76,6 +84,36 @@ def _create_key(args: argparse.Namespace) -> int:
     except TenantError as exc:
         print(f"kiln: error: {exc}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _list_keys(args: argparse.Namespace) -> int:
+    from service.db import database
+    from service.tenants.service import TenantError, list_keys
+
+    settings = load_settings(args)
+    try:
+        keys = list_keys(database(settings.database_url), args.tenant)
+    except TenantError as exc:
+        print(f"kiln: error: {exc}", file=sys.stderr)
+        return 2
+    print_table(("id", "prefix", "tenant", "name", "created", "revoked"), (
+        (k.id, k.prefix, tenant, k.name, f"{k.created_at:%Y-%m-%d %H:%M}",
+         f"revoked {k.revoked_at:%Y-%m-%d %H:%M}" if k.revoked_at else "") for k, tenant in keys))
+    return 0
+
+
+def _revoke_key(args: argparse.Namespace) -> int:
+    from service.db import database
+    from service.tenants.service import TenantError, revoke_key
+
+    settings = load_settings(args)
+    try:
+        key = revoke_key(database(settings.database_url), args.key)
+    except TenantError as exc:
+        print(f"kiln: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"API key {key.prefix} ({key.name or 'no name'}): revoked")
     return 0
 
 
