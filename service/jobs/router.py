@@ -5,8 +5,9 @@ import json
 import logging
 import time
 from pathlib import Path
+from typing import Annotated
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Header, Request, Response
 from fastapi.responses import FileResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
@@ -25,9 +26,17 @@ _CONFLICT = {409: PROBLEM_RESPONSES[422] | {"description": "not possible in the 
 
 @router.post("", status_code=202, response_model=JobOut, summary="Compile a model",
              responses={503: PROBLEM_RESPONSES[422] | {"description": "the broker is down"}})
-def create_job(body: JobCreate, request: Request, response: Response, tenant: Tenant, db: DB):
+def create_job(body: JobCreate, request: Request, response: Response, tenant: Tenant, db: DB,
+               idempotency_key: Annotated[str | None, Header(
+                   alias="Idempotency-Key", min_length=1, max_length=200,
+                   description="repeating a request with the same key returns the job it made "
+                   "(per tenant); the same key with another request is a 422")] = None):
     """Queue a compile of one of your models; follow it at `links.events` or `links.self`."""
-    job = service.create(db, tenant, body)
+    job, created = service.create(db, tenant, body, idempotency_key)
+    response.headers["Location"] = f"/v1/jobs/{job.id}"
+    if not created:
+        response.headers["Idempotent-Replayed"] = "true"
+        return job_out(*service.get(db, tenant, job.id))
     try:
         request.app.state.dispatcher.enqueue(job.id)
     except Exception as exc:
@@ -35,7 +44,6 @@ def create_job(body: JobCreate, request: Request, response: Response, tenant: Te
         service.delete(db, job.id)
         raise APIError(503, "Service Unavailable", f"the job could not be queued: the broker is "
                        f"unreachable ({type(exc).__name__}); try again") from None
-    response.headers["Location"] = f"/v1/jobs/{job.id}"
     return job_out(job)
 
 

@@ -1,9 +1,12 @@
 """The API side of jobs: create (validated against the model), list, get, cancel."""
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any
 
 from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
 
 from service.db import Database, utcnow
 from service.jobs.schemas import JobCreate
@@ -39,15 +42,42 @@ def check_shapes(inputs: list[dict[str, Any]], shapes: dict[str, list[int]]) -> 
                            f"`shapes`")
 
 
-def create(db: Database, tenant_id: str, request: JobCreate) -> Job:
+def create(db: Database, tenant_id: str, request: JobCreate,
+           idempotency_key: str | None = None) -> tuple[Job, bool]:
+    """Add a queued job; (job, created). With an Idempotency-Key the tenant already used for the
+    same request, that job instead (created False); for another request, 422."""
+    digest = hashlib.sha256(json.dumps(request.model_dump(mode="json"), sort_keys=True)
+                            .encode()).hexdigest()
+    if idempotency_key is not None:
+        earlier = _replay(db, tenant_id, idempotency_key, digest)
+        if earlier is not None:
+            return earlier, False
     model = models.get(db, tenant_id, request.model_id)
     check_shapes(model.inputs, request.shapes)
-    with db.write() as s:
-        job = Job(tenant_id=tenant_id, model_id=model.id, target=request.target,
-                  partitioner=request.partitioner, shapes=request.shapes, rewrite=request.rewrite,
-                  tune=request.tune, tune_budget_s=request.tune_budget_s, state=QUEUED,
-                  progress=0, stage_seconds={}, attempts=0, enqueued_at=utcnow())
-        s.add(job)
+    try:
+        with db.write() as s:
+            job = Job(tenant_id=tenant_id, model_id=model.id, target=request.target,
+                      partitioner=request.partitioner, shapes=request.shapes,
+                      rewrite=request.rewrite, tune=request.tune,
+                      tune_budget_s=request.tune_budget_s, state=QUEUED, progress=0,
+                      stage_seconds={}, attempts=0, enqueued_at=utcnow(),
+                      idempotency_key=idempotency_key, request_sha256=digest)
+            s.add(job)
+    except IntegrityError:  # a concurrent request with the same key won
+        earlier = _replay(db, tenant_id, idempotency_key, digest) if idempotency_key else None
+        if earlier is None:
+            raise
+        return earlier, False
+    return job, True
+
+
+def _replay(db: Database, tenant_id: str, key: str, digest: str) -> Job | None:
+    with db.read() as s:
+        job = s.scalars(select(Job).where(Job.tenant_id == tenant_id,
+                                          Job.idempotency_key == key)).first()
+    if job is not None and job.request_sha256 != digest:
+        raise APIError(422, "Unprocessable Content", f"Idempotency-Key {key!r} was used for "
+                       f"another request (job {job.id}); use a new key for a new request")
     return job
 
 

@@ -367,3 +367,25 @@ def test_a_stored_negative_dimension_is_not_called_symbolic(api, tmp_path):
     response = client.post("/v1/jobs", json={"model_id": model_id})
     refused(response, 422, "'input_ids'", "-5", "invalid")
     assert "symbolic" not in response.json()["detail"]
+
+
+def test_idempotency_key_makes_one_job_per_key_and_tenant(api):
+    client, _, dispatcher, keys = api
+    model_id = _model_id(client)
+    body = {"model_id": model_id, "partitioner": "fixed"}
+    once = {"Idempotency-Key": "build-42"}
+    replies = [client.post("/v1/jobs", json=body, headers=once) for _ in range(4)]
+    assert all(r.status_code == 202 for r in replies), replies[-1].text
+    assert len({r.json()["id"] for r in replies}) == 1
+    assert dispatcher.enqueued == [replies[0].json()["id"]]
+    assert replies[-1].headers["Idempotent-Replayed"] == "true"
+    refused(client.post("/v1/jobs", json=body | {"partitioner": "none"}, headers=once), 422,
+            "Idempotency-Key", "build-42")
+    globex = {"Authorization": f"Bearer {keys['globex']}"}
+    other_model = upload(client, (ZOO / "tinybert.onnx").read_bytes(), headers=globex).json()["id"]
+    theirs = client.post("/v1/jobs", json={"model_id": other_model}, headers=globex | once)
+    assert theirs.status_code == 202 and theirs.json()["id"] != replies[0].json()["id"]
+    plain = [client.post("/v1/jobs", json=body).json()["id"] for _ in range(2)]
+    assert len(set(plain)) == 2 and len(dispatcher.enqueued) == 4
+    refused(client.post("/v1/jobs", json=body, headers={"Idempotency-Key": "x" * 201}), 422,
+            "Idempotency-Key")
