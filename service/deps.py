@@ -11,6 +11,7 @@ from service.db import Database
 from service.problems import APIError
 from service.settings import Settings
 from service.storage import Storage
+from service.limits.service import take_token, too_many_requests
 from service.tenants.service import tenant_for_key
 
 _bearer = HTTPBearer(auto_error=False, description="an API key: `Authorization: Bearer kiln_…`")
@@ -47,6 +48,19 @@ def current_tenant(
 
 
 Tenant = Annotated[str, Depends(current_tenant)]
+
+
+def rate_limited(request: Request, tenant: Tenant) -> None:
+    """Take a token from the caller's tenant's bucket; 429 with Retry-After when it is empty."""
+    settings: Settings = request.app.state.settings
+    if settings.rate_limit_per_second > 0:
+        wait = take_token(request.app.state.db, tenant, settings.rate_limit_per_second,
+                          settings.rate_limit_burst)
+        if wait > 0:
+            raise too_many_requests(settings.rate_limit_per_second, settings.rate_limit_burst,
+                                    wait)
+
+
 DB = Annotated[Database, Depends(get_db)]
 Store = Annotated[Storage, Depends(get_storage)]
 Config = Annotated[Settings, Depends(get_settings)]

@@ -5,12 +5,13 @@ import hashlib
 import json
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 
 from service.db import Database, utcnow
 from service.jobs.schemas import JobCreate
 from service.jobs.tables import CANCELLED, QUEUED, RUNNING, TERMINAL, Artifact, Job
+from service.limits.service import lock_tenant
 from service.models import service as models
 from service.problems import APIError
 
@@ -42,10 +43,11 @@ def check_shapes(inputs: list[dict[str, Any]], shapes: dict[str, list[int]]) -> 
                            f"`shapes`")
 
 
-def create(db: Database, tenant_id: str, request: JobCreate,
-           idempotency_key: str | None = None) -> tuple[Job, bool]:
+def create(db: Database, tenant_id: str, request: JobCreate, idempotency_key: str | None = None,
+           max_active: int = 0) -> tuple[Job, bool]:
     """Add a queued job; (job, created). With an Idempotency-Key the tenant already used for the
-    same request, that job instead (created False); for another request, 422."""
+    same request, that job instead (created False); for another request, 422. 429 when the
+    tenant has `max_active` queued or running jobs (0: no cap)."""
     digest = hashlib.sha256(json.dumps(request.model_dump(mode="json"), sort_keys=True)
                             .encode()).hexdigest()
     if idempotency_key is not None:
@@ -56,6 +58,7 @@ def create(db: Database, tenant_id: str, request: JobCreate,
     check_shapes(model.inputs, request.shapes)
     try:
         with db.write() as s:
+            _check_active(s, tenant_id, max_active)
             job = Job(tenant_id=tenant_id, model_id=model.id, target=request.target,
                       partitioner=request.partitioner, shapes=request.shapes,
                       rewrite=request.rewrite, tune=request.tune,
@@ -69,6 +72,18 @@ def create(db: Database, tenant_id: str, request: JobCreate,
             raise
         return earlier, False
     return job, True
+
+
+def _check_active(s, tenant_id: str, cap: int) -> None:
+    if not cap:
+        return
+    lock_tenant(s, tenant_id)
+    active = s.scalar(select(func.count()).select_from(Job).where(
+        Job.tenant_id == tenant_id, Job.state.in_((QUEUED, RUNNING))))
+    if active >= cap:
+        raise APIError(429, "Too Many Requests", f"your tenant has {active} unfinished jobs, the "
+                       "most allowed (KILN_MAX_ACTIVE_JOBS); wait for one to finish or cancel one",
+                       headers={"Retry-After": "30"})
 
 
 def _replay(db: Database, tenant_id: str, key: str, digest: str) -> Job | None:
