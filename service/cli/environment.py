@@ -15,6 +15,11 @@ def server_args(cmd) -> None:
                      "~/.local/share/kiln)")
 
 
+def hidden_alias(cmd, flag: str, dest: str) -> None:
+    """An old spelling of an option, still accepted but not shown in --help."""
+    cmd.add_argument(flag, dest=dest, type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+
 def load_settings(args: argparse.Namespace | None = None):
     """Settings from KILN_* variables, overridden by --host, --port and --data-dir."""
     try:

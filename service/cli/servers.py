@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-from service.cli.environment import child_env, load_settings, server_args
+from service.cli.environment import child_env, hidden_alias, load_settings, server_args
 
 DEFAULT_TENANT = "default"
 
@@ -20,8 +22,9 @@ def add_commands(commands) -> None:
     serve = commands.add_parser("serve", help="run the service on this machine: API and a worker, "
                                 "SQLite and a file broker in one data folder")
     server_args(serve)
-    serve.add_argument("--workers", type=int, default=1, metavar="N",
+    serve.add_argument("--compile-processes", type=int, default=1, metavar="N",
                        help="compile processes of the embedded worker (default 1)")
+    hidden_alias(serve, "--workers", "compile_processes")
     mode = serve.add_mutually_exclusive_group()
     mode.add_argument("--detach", action="store_true",
                       help="start in the background, wait until it answers, and return")
@@ -30,7 +33,9 @@ def add_commands(commands) -> None:
 
     api = commands.add_parser("api", help="run the API alone (scale-out: PostgreSQL and Redis)")
     server_args(api)
-    api.add_argument("--processes", type=int, default=1, metavar="N", help="uvicorn workers")
+    api.add_argument("--api-processes", type=int, default=1, metavar="N",
+                     help="API server processes (uvicorn workers; default 1)")
+    hidden_alias(api, "--processes", "api_processes")
     api.add_argument("--no-migrate", action="store_true",
                      help="do not upgrade the database schema on start")
     api.set_defaults(handler=_api)
@@ -71,7 +76,7 @@ def _api(args: argparse.Namespace) -> int:
         upgrade(settings.database_url)
     os.environ.update(child_env(settings))
     uvicorn.run("service.app:create_app", factory=True, host=settings.host, port=settings.port,
-                workers=args.processes, log_level="info", timeout_graceful_shutdown=10)
+                workers=args.api_processes, log_level="info", timeout_graceful_shutdown=10)
     return 0
 
 
@@ -85,7 +90,7 @@ class WorkerSupervisor(threading.Thread):
         self.stopping = threading.Event()
 
     def _start(self) -> subprocess.Popen:
-        command = [sys.executable, "-m", "kiln.cli", "worker", "--concurrency",
+        command = [sys.executable, "-m", "kiln.cli", "worker", "--compile-processes",
                    str(self.concurrency), "--name", f"embedded-{os.getpid()}@%h"]
         return subprocess.Popen(command, env=child_env(self.settings),
                                 preexec_fn=_die_with_parent if sys.platform == "linux" else None)
@@ -161,7 +166,7 @@ def _serve(args: argparse.Namespace) -> int:
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     upgrade(settings.database_url)
     ensure_default_key(settings)
-    supervisor = WorkerSupervisor(settings, args.workers)
+    supervisor = WorkerSupervisor(settings, args.compile_processes)
     supervisor.start()
     try:
         print(f"kiln serve: {settings.api_url} (data in {settings.data_dir}; API key in "
@@ -176,35 +181,65 @@ def _start_detached(args: argparse.Namespace, settings) -> int:
     from service.client import KilnClient
 
     settings.data_dir.mkdir(parents=True, exist_ok=True)
+    stop_hint = "kiln serve --stop" + (f" --data-dir {shlex.quote(args.data_dir)}"
+                                       if args.data_dir else "")
     if _running_pid(settings):
-        print(f"kiln serve: already running at {settings.api_url}")
+        print(f"kiln serve: already running at {settings.api_url}; stop it with `{stop_hint}`")
         return 0
+    if _port_in_use(settings.host, settings.port):
+        print(f"kiln serve: port {settings.port} on {settings.host} is in use by another program; "
+              "choose another with --port (or $KILN_PORT)", file=sys.stderr)
+        return 1
     log = settings.data_dir / "serve.log"
-    command = [sys.executable, "-m", "kiln.cli", "serve", "--workers", str(args.workers)]
+    command = [sys.executable, "-m", "kiln.cli", "serve", "--compile-processes",
+               str(args.compile_processes)]
     with log.open("ab") as out:
         process = subprocess.Popen(command, env=child_env(settings), stdout=out, stderr=out,
                                    stdin=subprocess.DEVNULL, start_new_session=True)
     _pid_file(settings).write_text(f"{process.pid}\n")
-    client = KilnClient(settings.api_url, None, timeout=2.0)
+    if not _wait_ready(process, settings, KilnClient(settings.api_url, None, timeout=2.0), log):
+        if process.poll() is None:
+            process.terminate()
+        _pid_file(settings).unlink(missing_ok=True)
+        return 1
+    print(f"kiln serve: running at {settings.api_url} (pid {process.pid}, log {log}); "
+          f"stop it with `{stop_hint}`")
+    return 0
+
+
+def _wait_ready(process: subprocess.Popen, settings, client, log: Path) -> bool:
+    """Until the started service answers (and is still the process answering: alive)."""
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if process.poll() is not None:
             print(f"kiln serve: failed to start (exit {process.returncode}); see {log}",
                   file=sys.stderr)
-            return 1
+            return False
         try:
             client.health()
-            if settings.api_key_file.is_file():
-                break
+            if settings.api_key_file.is_file() and process.poll() is None:
+                return True
         except Exception:
             pass
         time.sleep(0.3)
-    else:
-        print(f"kiln serve: no answer at {settings.api_url} after 120 s; see {log}", file=sys.stderr)
-        return 1
-    print(f"kiln serve: running at {settings.api_url} (pid {process.pid}, log {log}); "
-          f"stop it with `kiln serve --stop`")
-    return 0
+    print(f"kiln serve: no answer at {settings.api_url} after 120 s; see {log}", file=sys.stderr)
+    return False
+
+
+def _port_in_use(host: str, port: int) -> bool:
+    """Whether binding the listening socket would fail, as uvicorn binds it (SO_REUSEADDR)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except OSError:
+        return False  # uvicorn reports an unusable host itself
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError:
+            return True
+    return False
 
 
 def _running_pid(settings) -> int | None:
