@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
@@ -121,3 +123,79 @@ def test_process_count_flags_follow_one_scheme(command, flag, old, dest):
     assert flag in help_text and old not in help_text
     assert getattr(parser.parse_args([command, flag, "3"]), dest) == 3
     assert getattr(parser.parse_args([command, old, "4"]), dest) == 4
+
+
+def _local(stack) -> dict:
+    """The environment of a user on the service's machine: no URL, no key given."""
+    return {k: v for k, v in stack.env.items() if k not in ("KILN_URL", "KILN_API_KEY")}
+
+
+def _kiln_as_user(stack, *args: str, timeout: float = 300):
+    return subprocess.run([sys.executable, "-m", "kiln.cli", *args], env=_local(stack), cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_submit_finds_the_local_key_whatever_the_spelling_of_the_local_url(served):
+    model = str(ZOO / "resnet50.onnx")
+    for url in (f"http://localhost:{served.port}", f"http://127.0.0.1:{served.port}/",
+                f"HTTP://LocalHost:{served.port}/"):
+        done = _kiln_as_user(served, "submit", model, "--url", url)
+        assert done.returncode == 0, (url, done.stderr)
+        assert len(done.stdout.strip()) == 32
+        _kiln_as_user(served, "cancel", done.stdout.strip())
+    remote = _kiln_as_user(served, "submit", model, "--url", f"http://kiln.example:{served.port}")
+    assert remote.returncode != 0 and "no API key" in remote.stderr  # never sent elsewhere
+
+
+def test_an_unreachable_service_is_one_clear_line(served, tmp_path):
+    url = f"http://127.0.0.1:{free_port()}"
+    for args in (("submit", str(ZOO / "resnet50.onnx")), ("jobs",), ("status", "0" * 32)):
+        done = _kiln_as_user(served, *args, "--url", url, "--api-key", "kiln_abc_def")
+        assert done.returncode != 0
+        assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
+        assert "cannot reach" in done.stderr and url in done.stderr, done.stderr
+
+
+def test_jobs_status_cancel_and_download(served, tmp_path):
+    submitted = _kiln_as_user(served, "submit", str(ZOO / "lstm.onnx"))
+    job = submitted.stdout.strip()
+    waited = _kiln_as_user(served, "status", job, "--wait")
+    assert waited.returncode == 0, waited.stderr
+    assert "succeeded" in waited.stdout and job in waited.stdout
+    listed = _kiln_as_user(served, "jobs")
+    assert listed.returncode == 0 and job in listed.stdout and "succeeded" in listed.stdout
+    assert "lstm.onnx" in listed.stdout
+    out = tmp_path / "lstm.kiln"
+    fetched = _kiln_as_user(served, "download", job, "-o", str(out))
+    assert fetched.returncode == 0, fetched.stderr
+    with httpx.Client(base_url=served.url,
+                      headers={"Authorization": f"Bearer {served.api_key}"}) as client:
+        assert out.read_bytes() == client.get(f"/v1/jobs/{job}/artifact").content
+    late = _kiln_as_user(served, "cancel", job)
+    assert late.returncode != 0 and "already succeeded" in late.stderr
+    assert "Traceback" not in late.stderr
+    missing = _kiln_as_user(served, "status", "f" * 32)
+    assert missing.returncode != 0 and "no job" in missing.stderr
+    busy, queued = (_kiln_as_user(served, "submit", str(ZOO / f"{name}.onnx")).stdout.strip()
+                    for name in ("mobilenetv2", "bert-base"))  # one worker process: one waits
+    cancelled = _kiln_as_user(served, "cancel", queued)
+    assert cancelled.returncode == 0 and f"job {queued}: cancelled" in cancelled.stdout
+    _kiln_as_user(served, "cancel", busy)
+
+
+def test_ctrl_c_during_submit_wait_says_how_to_follow_or_cancel_the_job(served, tmp_path):
+    process = subprocess.Popen([sys.executable, "-m", "kiln.cli", "submit",
+                                str(ZOO / "mobilenetv2.onnx"), "--wait", "-o",
+                                str(tmp_path / "m.kiln")], env=_local(served), cwd=REPO,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = process.stderr.readline()  # "job <id> queued: …"
+    job = line.split()[1]
+    time.sleep(1.0)
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert f"kiln status {job} --wait" in err and f"kiln cancel {job}" in err
+    state = _kiln_as_user(served, "status", job)
+    assert state.returncode in (0, 1) and job in state.stdout  # the job lives on
+    _kiln_as_user(served, "cancel", job)
