@@ -50,8 +50,11 @@ class _Value:
 # ---------------------------------------------------------------------------------------------
 # Loading
 
-def read_model(path: str | Path) -> onnx.ModelProto:
-    """Parse an ONNX file and load its external data, refusing locations outside its folder."""
+def read_model(path: str | Path, *, external_data: bool = True) -> onnx.ModelProto:
+    """Parse an ONNX file and load its external data, refusing locations outside its folder.
+
+    With `external_data=False` a model keeping tensor data outside its own protobuf is refused
+    (the service stores each upload as one file, so such data could never be found again)."""
     path = Path(path)
     if not path.is_file():
         raise ModelError(f"model file not found: {path}")
@@ -63,7 +66,12 @@ def read_model(path: str | Path) -> onnx.ModelProto:
     if not model.graph.node and not model.graph.output:
         raise ModelError(f"{path.name} is not a valid ONNX model: it has no graph")
     _check_external_data(model, path.parent)
-    if any(uses_external_data(t) for t in _all_initializers(model)):
+    external = [t.name for t in _all_initializers(model) if uses_external_data(t)]
+    if external and not external_data:
+        raise ModelError(f"initializer(s) {', '.join(map(repr, external[:5]))} keep their data in "
+                         "external files; send a self-contained model (saved without "
+                         "save_as_external_data)")
+    if external:
         load_external_data_for_model(model, str(path.parent))
     return model
 

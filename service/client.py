@@ -76,6 +76,12 @@ class KilnClient:
             body["tune_budget_s"] = tune_budget_s
         return self._check(self.http.post("/v1/jobs", json=body)).json()
 
+    def model(self, model_id: str) -> dict[str, Any]:
+        return self._check(self.http.get(f"/v1/models/{model_id}")).json()
+
+    def models(self, limit: int = 100) -> list[dict[str, Any]]:
+        return self._check(self.http.get("/v1/models", params={"limit": limit})).json()
+
     def job(self, job_id: str) -> dict[str, Any]:
         return self._check(self.http.get(f"/v1/jobs/{job_id}")).json()
 

@@ -63,6 +63,7 @@ def load_tables() -> MetaData:
     """Import every domain's tables; return the metadata that holds them."""
     from service.devices import tables as _devices  # noqa: F401
     from service.jobs import tables as _jobs  # noqa: F401
+    from service.limits import tables as _limits  # noqa: F401
     from service.models import tables as _models  # noqa: F401
     from service.profiles import tables as _profiles  # noqa: F401
     from service.tenants import tables as _tenants  # noqa: F401

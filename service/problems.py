@@ -33,10 +33,6 @@ class APIError(Exception):
         self.kind = kind
 
 
-def not_found(what: str, ident: str) -> APIError:
-    return APIError(404, "Not Found", f"no {what} with id {ident!r}")
-
-
 def problem_response(status: int, title: str, detail: str, instance: str | None = None,
                      headers: dict[str, str] | None = None, kind: str = "about:blank") -> JSONResponse:
     body = Problem(type=kind, title=title, status=status, detail=detail, instance=instance)

@@ -37,6 +37,15 @@ class Settings(BaseSettings):
     default_target: str = "host"
     default_partitioner: str = "dnnfusion"
 
+    # Per-tenant limits, shared by every API process (service.limits); 0 turns one off.
+    rate_limit_per_second: float = Field(50.0, ge=0, description=(
+        "requests per second a tenant may make on average (token bucket; 0: no limit)"))
+    rate_limit_burst: int = Field(200, ge=1, description="requests a tenant may make at once")
+    max_active_jobs: int = Field(100, ge=0, description="queued or running jobs per tenant")
+    max_event_streams: int = Field(50, ge=0, description="open job event streams per tenant")
+    max_stored_bytes: int = Field(20 << 30, ge=0, description=(
+        "bytes of models and artifacts stored per tenant; an upload past it is refused"))
+
     worker_concurrency: int = Field(1, ge=1, description="compile processes per worker")
     heartbeat_seconds: float = Field(5.0, gt=0, description="how often a running job says alive")
     stale_after_seconds: float = Field(60.0, gt=0, description="silence after which a job is re-run")

@@ -7,8 +7,9 @@ import os
 
 def add_commands(commands) -> None:
     worker = commands.add_parser("worker", help="run a compile worker (Celery)")
-    worker.add_argument("--concurrency", type=int, metavar="N",
+    worker.add_argument("--compile-processes", dest="concurrency", type=int, metavar="N",
                         help="compile processes (default $KILN_WORKER_CONCURRENCY or 1)")
+    worker.add_argument("--concurrency", type=int, help=argparse.SUPPRESS)  # the old spelling
     worker.add_argument("--name", metavar="NAME@HOST",
                         help="worker node name (default kiln-<pid>@<host name>)")
     worker.add_argument("--loglevel", default="INFO")

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import math
 from datetime import datetime
 from typing import Any, Literal
 
@@ -81,9 +82,14 @@ class JobCreate(BaseModel):
     @field_validator("shapes")
     @classmethod
     def _positive_dims(cls, value: dict[str, list[int]]) -> dict[str, list[int]]:
+        from kiln.frontend import MAX_TENSOR_ELEMENTS
+
         for name, dims in value.items():
             if any(d <= 0 for d in dims):
                 raise ValueError(f"dimensions of input {name!r} must be positive, got {dims}")
+            if math.prod(dims) > MAX_TENSOR_ELEMENTS:
+                raise ValueError(f"input {name!r} of shape {dims} would have more than "
+                                 f"{MAX_TENSOR_ELEMENTS} elements, the compiler's limit")
         return value
 
 

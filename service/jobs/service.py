@@ -1,13 +1,17 @@
 """The API side of jobs: create (validated against the model), list, get, cancel."""
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
+from sqlalchemy.exc import IntegrityError
 
 from service.db import Database, utcnow
 from service.jobs.schemas import JobCreate
 from service.jobs.tables import CANCELLED, QUEUED, RUNNING, TERMINAL, Artifact, Job
+from service.limits.service import lock_tenant
 from service.models import service as models
 from service.problems import APIError
 
@@ -27,22 +31,68 @@ def check_shapes(inputs: list[dict[str, Any]], shapes: dict[str, list[int]]) -> 
                 raise APIError(422, "Unprocessable Content", f"shapes: dimension {axis} of input "
                                f"{name!r} is fixed at {want}, got {got}")
     for info in inputs:
-        symbolic = [d for d in info["shape"] if not isinstance(d, int) or d <= 0]
+        invalid = [d for d in info["shape"] if isinstance(d, int) and d <= 0]
+        if invalid:  # recorded before uploads checked their dimensions
+            raise APIError(422, "Unprocessable Content", f"input {info['name']!r} declares the "
+                           f"invalid dimension(s) {', '.join(map(str, invalid))}; upload the model "
+                           "again with positive or named (dim_param) dimensions")
+        symbolic = [d for d in info["shape"] if not isinstance(d, int)]
         if symbolic and info["name"] not in shapes:
             raise APIError(422, "Unprocessable Content", f"input {info['name']!r} has symbolic "
                            f"dimension(s) {', '.join(map(repr, symbolic))}: give its shape in "
                            f"`shapes`")
 
 
-def create(db: Database, tenant_id: str, request: JobCreate) -> Job:
+def create(db: Database, tenant_id: str, request: JobCreate, idempotency_key: str | None = None,
+           max_active: int = 0) -> tuple[Job, bool]:
+    """Add a queued job; (job, created). With an Idempotency-Key the tenant already used for the
+    same request, that job instead (created False); for another request, 422. 429 when the
+    tenant has `max_active` queued or running jobs (0: no cap)."""
+    digest = hashlib.sha256(json.dumps(request.model_dump(mode="json"), sort_keys=True)
+                            .encode()).hexdigest()
+    if idempotency_key is not None:
+        earlier = _replay(db, tenant_id, idempotency_key, digest)
+        if earlier is not None:
+            return earlier, False
     model = models.get(db, tenant_id, request.model_id)
     check_shapes(model.inputs, request.shapes)
-    with db.write() as s:
-        job = Job(tenant_id=tenant_id, model_id=model.id, target=request.target,
-                  partitioner=request.partitioner, shapes=request.shapes, rewrite=request.rewrite,
-                  tune=request.tune, tune_budget_s=request.tune_budget_s, state=QUEUED,
-                  progress=0, stage_seconds={}, attempts=0, enqueued_at=utcnow())
-        s.add(job)
+    try:
+        with db.write() as s:
+            _check_active(s, tenant_id, max_active)
+            job = Job(tenant_id=tenant_id, model_id=model.id, target=request.target,
+                      partitioner=request.partitioner, shapes=request.shapes,
+                      rewrite=request.rewrite, tune=request.tune,
+                      tune_budget_s=request.tune_budget_s, state=QUEUED, progress=0,
+                      stage_seconds={}, attempts=0, enqueued_at=utcnow(),
+                      idempotency_key=idempotency_key, request_sha256=digest)
+            s.add(job)
+    except IntegrityError:  # a concurrent request with the same key won
+        earlier = _replay(db, tenant_id, idempotency_key, digest) if idempotency_key else None
+        if earlier is None:
+            raise
+        return earlier, False
+    return job, True
+
+
+def _check_active(s, tenant_id: str, cap: int) -> None:
+    if not cap:
+        return
+    lock_tenant(s, tenant_id)
+    active = s.scalar(select(func.count()).select_from(Job).where(
+        Job.tenant_id == tenant_id, Job.state.in_((QUEUED, RUNNING))))
+    if active >= cap:
+        raise APIError(429, "Too Many Requests", f"your tenant has {active} unfinished jobs, the "
+                       "most allowed (KILN_MAX_ACTIVE_JOBS); wait for one to finish or cancel one",
+                       headers={"Retry-After": "30"})
+
+
+def _replay(db: Database, tenant_id: str, key: str, digest: str) -> Job | None:
+    with db.read() as s:
+        job = s.scalars(select(Job).where(Job.tenant_id == tenant_id,
+                                          Job.idempotency_key == key)).first()
+    if job is not None and job.request_sha256 != digest:
+        raise APIError(422, "Unprocessable Content", f"Idempotency-Key {key!r} was used for "
+                       f"another request (job {job.id}); use a new key for a new request")
     return job
 
 

@@ -19,6 +19,7 @@ class Job(Base):
         Index("ix_jobs_tenant_created", "tenant_id", "created_at"),
         Index("ix_jobs_state_heartbeat", "state", "heartbeat_at"),
         Index("ix_jobs_state_enqueued", "state", "enqueued_at"),
+        Index("ix_jobs_tenant_idempotency", "tenant_id", "idempotency_key", unique=True),
     )
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
@@ -32,6 +33,11 @@ class Job(Base):
     # The server default gives rows from before migration 0003 "off".
     tune: Mapped[str] = mapped_column(String(16), default="off", server_default="off")
     tune_budget_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+    # The client's Idempotency-Key (unique per tenant) and the SHA-256 of the request it came
+    # with: a retry with the same key gets this job, with another request a 422.
+    idempotency_key: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    request_sha256: Mapped[str | None] = mapped_column(String(64), nullable=True)
 
     state: Mapped[str] = mapped_column(String(16), default=QUEUED)
     stage: Mapped[str | None] = mapped_column(String(32), nullable=True)

@@ -2,16 +2,18 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query, Request, Response
+from fastapi import APIRouter, Depends, Query, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from kiln.errors import ModelError
-from service.deps import DB, Config, Store, Tenant
+from service.deps import DB, Config, Limit, Offset, Store, Tenant, rate_limited
+from service.limits.service import check_stored_bytes
 from service.models import service
 from service.models.schemas import ModelOut
 from service.problems import PROBLEM_RESPONSES, APIError
 
-router = APIRouter(prefix="/v1/models", tags=["models"], responses=PROBLEM_RESPONSES)
+router = APIRouter(prefix="/v1/models", tags=["models"], responses=PROBLEM_RESPONSES,
+                   dependencies=[Depends(rate_limited)])
 
 _UPLOAD_BODY = {"requestBody": {"required": True, "description": "the ONNX file, as the raw body",
                                 "content": {"application/octet-stream": {
@@ -46,6 +48,8 @@ async def upload_model(request: Request, response: Response, tenant: Tenant, db:
         if existing is not None:
             response.status_code = 200
             return existing
+        await run_in_threadpool(check_stored_bytes, db, tenant, upload.size,
+                                settings.max_stored_bytes)
         try:
             opset, inputs = await run_in_threadpool(service.inspect, upload.path)
         except ModelError as exc:
@@ -63,8 +67,7 @@ async def upload_model(request: Request, response: Response, tenant: Tenant, db:
 
 
 @router.get("", response_model=list[ModelOut], summary="List your models")
-def list_models(tenant: Tenant, db: DB, limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-                offset: Annotated[int, Query(ge=0)] = 0):
+def list_models(tenant: Tenant, db: DB, limit: Limit = 100, offset: Offset = 0):
     return service.list_models(db, tenant, limit, offset)
 
 

@@ -7,6 +7,7 @@ and only then copied to its content address and recorded. Whatever fails, the fo
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 import shutil
 from collections.abc import AsyncIterator
@@ -76,8 +77,10 @@ def inspect(path: Path) -> tuple[int, list[dict[str, Any]]]:
 
     from kiln import frontend
 
-    model = frontend.read_model(path)
+    model = frontend.read_model(path, external_data=False)
     opset = frontend.check_model(model)
+    for tensor in model.graph.initializer:
+        _check_size(f"initializer {tensor.name!r}", list(tensor.dims))
     initializers = {t.name for t in model.graph.initializer}
     inputs = []
     for info in model.graph.input:
@@ -90,8 +93,29 @@ def inspect(path: Path) -> tuple[int, list[dict[str, Any]]]:
             dtype = f"onnx:{ttype.elem_type}"
         dims: list[int | str] = [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?")
                                  for d in ttype.shape.dim]
+        _check_declared_dims(info.name, dims)
         inputs.append({"name": info.name, "dtype": dtype, "shape": dims})
     return opset, inputs
+
+
+def _check_declared_dims(name: str, dims: list[int | str]) -> None:
+    """Refuse what the worker would: a fixed dimension must be positive, the size bounded."""
+    from kiln.errors import ModelError
+
+    for axis, dim in enumerate(dims):
+        if isinstance(dim, int) and dim <= 0:
+            raise ModelError(f"input {name!r} declares dimension {dim} at axis {axis}; a fixed "
+                             "dimension must be positive (leave it symbolic to give it per job)")
+    _check_size(f"input {name!r}", [d for d in dims if isinstance(d, int)])
+
+
+def _check_size(what: str, dims: list[int]) -> None:
+    from kiln.errors import ModelError
+    from kiln.frontend import MAX_TENSOR_ELEMENTS
+
+    if any(d < 0 for d in dims) or math.prod(dims) > MAX_TENSOR_ELEMENTS:
+        raise ModelError(f"{what} declares shape {dims}: more than {MAX_TENSOR_ELEMENTS} "
+                         "elements or a negative dimension, which the compiler refuses")
 
 
 def find_by_hash(db: Database, tenant_id: str, sha256: str) -> ModelRecord | None:

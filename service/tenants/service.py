@@ -8,7 +8,7 @@ import secrets
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
-from service.db import Database
+from service.db import Database, utcnow
 from service.tenants.tables import ApiKey, Tenant
 
 KEY_PREFIX = "kiln_"
@@ -66,3 +66,30 @@ def tenant_for_key(db: Database, key: str) -> str | None:
     if row is None or row.revoked_at is not None:
         return None
     return row.tenant_id if hmac.compare_digest(row.key_hash, hash_key(key)) else None
+
+
+def list_keys(db: Database, tenant_name_or_id: str | None = None) -> list[tuple[ApiKey, str]]:
+    """(key, tenant name) of every key, or of one tenant's; oldest first. No secret is stored."""
+    query = select(ApiKey, Tenant.name).join(Tenant, Tenant.id == ApiKey.tenant_id)
+    if tenant_name_or_id is not None:
+        tenant = find_tenant(db, tenant_name_or_id)
+        if tenant is None:
+            raise TenantError(f"no tenant named or with id {tenant_name_or_id!r}")
+        query = query.where(ApiKey.tenant_id == tenant.id)
+    with db.read() as s:
+        return [(key, name) for key, name in s.execute(query.order_by(ApiKey.created_at))]
+
+
+def revoke_key(db: Database, ident: str) -> ApiKey:
+    """Revoke a key given by its id, its prefix or the key itself; repeating is harmless."""
+    if ident.startswith(KEY_PREFIX):
+        ident = ident[len(KEY_PREFIX):].partition("_")[0]
+    with db.write() as s:
+        key = s.scalars(select(ApiKey).where((ApiKey.id == ident) | (ApiKey.prefix == ident))
+                        ).first()
+        if key is None:
+            raise TenantError(f"no API key with id or prefix {ident!r} (kiln admin list-keys "
+                              "shows them)")
+        if key.revoked_at is None:
+            key.revoked_at = utcnow()
+        return key

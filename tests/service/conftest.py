@@ -100,3 +100,17 @@ def external_data_model(location: str) -> onnx.ModelProto:
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])
     graph = helper.make_graph([helper.make_node("Add", ["x", "w"], ["y"])], "g", [x], [y], [w])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 14)])
+
+
+def finish_job(settings: Settings, job_id: str, artifact: bytes = b"kiln artifact") -> Path:
+    """Run a queued job to success through the worker's own lifecycle; return its artifact."""
+    from service.jobs import lifecycle
+    from service.storage import Storage, file_sha256
+
+    db, storage = database(settings.database_url), Storage(settings.storage_root)
+    claim = lifecycle.claim(db, job_id, "test-worker", stale_after=60, max_attempts=3)
+    built = storage.temp_dir("built-") / "model.kiln"
+    built.write_bytes(artifact)
+    assert lifecycle.succeed(db, storage, claim, built, {"model": "m"}, {"build": 0.1},
+                             file_sha256(built))
+    return storage.resolve(storage.artifact_relpath(job_id))

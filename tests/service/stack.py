@@ -141,7 +141,7 @@ class EmbeddedStack(Stack):
         self.concurrency = concurrency
 
     def start(self) -> "EmbeddedStack":
-        self.spawn("serve", [sys.executable, "-m", "kiln.cli", "serve", "--workers",
+        self.spawn("serve", [sys.executable, "-m", "kiln.cli", "serve", "--compile-processes",
                              str(self.concurrency)])
         self.wait_ready()
         key_file = Path(self.env["KILN_DATA_DIR"]) / "api-key"

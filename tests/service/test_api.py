@@ -3,8 +3,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import onnx
 import pytest
 from sqlalchemy import func, select
+
+from kiln.frontend import MAX_TENSOR_ELEMENTS
 
 from service.db import database
 from service.jobs.tables import Job
@@ -211,7 +214,7 @@ def test_create_job_with_tuning(api):
 
 def test_kiln_submit_and_the_client_send_tuning(api, monkeypatch, capsys):
     from kiln.cli import main
-    from service import cli
+    from service.cli import jobs as cli
     from service.client import KilnClient
 
     client, _, _, _ = api
@@ -284,3 +287,105 @@ def test_unknown_routes_are_problems(api):
     refused(client.get("/v1/nothing"), 404, "Not Found")
     refused(client.delete("/v1/jobs"), 405, "Method Not Allowed")
     refused(client.get("/v1/jobs/nope"), 404, "nope")
+
+
+def test_offsets_past_64_bits_are_refused(api):
+    client, _, _, _ = api
+    for path in ("/v1/jobs", "/v1/models"):
+        assert client.get(path, params={"offset": 2**63 - 1}).json() == []
+        for offset in (2**63, 10**30):
+            refused(client.get(path, params={"offset": offset}), 422, "offset")
+
+
+def test_an_artifact_missing_from_storage_is_gone(api):
+    from tests.service.conftest import finish_job
+
+    client, settings, _, _ = api
+    job_id = client.post("/v1/jobs", json={"model_id": _model_id(client)}).json()["id"]
+    stored = finish_job(settings, job_id, b"compiled")
+    assert client.get(f"/v1/jobs/{job_id}/artifact").content == b"compiled"
+    stored.unlink()
+    refused(client.get(f"/v1/jobs/{job_id}/artifact"), 410, job_id, "no longer stored")
+    assert client.get(f"/v1/jobs/{job_id}/report").status_code == 200
+    assert client.get(f"/v1/jobs/{job_id}").json()["state"] == "succeeded"
+
+
+def _with_input_dims(dims: list) -> onnx.ModelProto:
+    model = add_model("Relu")
+    for value in (model.graph.input[0], model.graph.output[0]):
+        del value.type.tensor_type.shape.dim[:]
+        for d in dims:
+            value.type.tensor_type.shape.dim.add().dim_value = d
+    return model
+
+
+@pytest.mark.parametrize("dims, words", [
+    ([-5, 4], ("'x'", "-5", "positive")),
+    ([0, 4], ("'x'", "0", "positive")),
+    ([1 << 20, 1 << 20], ("'x'", "elements", str(MAX_TENSOR_ELEMENTS))),
+])
+def test_inputs_with_impossible_declared_dims_are_refused(api, tmp_path, dims, words):
+    client, settings, _, _ = api
+    data = save(_with_input_dims(dims), tmp_path / "m.onnx").read_bytes()
+    refused(upload(client, data), 422, *words)
+    stored_nothing(settings)
+
+
+def test_external_data_is_refused_at_upload(api, tmp_path):
+    """An upload is one file: external data never reaches the worker, even data in the model's
+    own file or under keys onnx does not know."""
+    client, settings, _, _ = api
+    itself = external_data_model("m.onnx")
+    refused(upload(client, save(itself, tmp_path / "m.onnx").read_bytes()), 422, "'w'",
+            "external")
+    unknown = external_data_model("m.onnx")
+    entry = unknown.graph.initializer[0].external_data.add()
+    entry.key, entry.value = "colour", "blue"
+    refused(upload(client, save(unknown, tmp_path / "m.onnx").read_bytes()), 422, "external")
+    stored_nothing(settings)
+
+
+def test_job_shapes_are_bounded_like_the_compiler(api, tmp_path):
+    client, settings, dispatcher, _ = api
+    model_id = upload(client, save(add_model("Relu", symbolic=True), tmp_path / "m.onnx")
+                      .read_bytes()).json()["id"]
+    for batch in (10**30, MAX_TENSOR_ELEMENTS):
+        refused(client.post("/v1/jobs", json={"model_id": model_id, "shapes": {"x": [batch, 4]}}),
+                422, "'x'", str(MAX_TENSOR_ELEMENTS))
+    assert dispatcher.enqueued == []
+    ok = client.post("/v1/jobs", json={"model_id": model_id, "shapes": {"x": [3, 4]}})
+    assert ok.status_code == 202
+
+
+def test_a_stored_negative_dimension_is_not_called_symbolic(api, tmp_path):
+    """A model recorded before uploads checked their dims: the job is refused as invalid."""
+    client, settings, _, _ = api
+    model_id = _model_id(client)
+    with database(settings.database_url).write() as s:
+        s.get(ModelRecord, model_id).inputs = [{"name": "input_ids", "dtype": "int64",
+                                                "shape": [-5, 16]}]
+    response = client.post("/v1/jobs", json={"model_id": model_id})
+    refused(response, 422, "'input_ids'", "-5", "invalid")
+    assert "symbolic" not in response.json()["detail"]
+
+
+def test_idempotency_key_makes_one_job_per_key_and_tenant(api):
+    client, _, dispatcher, keys = api
+    model_id = _model_id(client)
+    body = {"model_id": model_id, "partitioner": "fixed"}
+    once = {"Idempotency-Key": "build-42"}
+    replies = [client.post("/v1/jobs", json=body, headers=once) for _ in range(4)]
+    assert all(r.status_code == 202 for r in replies), replies[-1].text
+    assert len({r.json()["id"] for r in replies}) == 1
+    assert dispatcher.enqueued == [replies[0].json()["id"]]
+    assert replies[-1].headers["Idempotent-Replayed"] == "true"
+    refused(client.post("/v1/jobs", json=body | {"partitioner": "none"}, headers=once), 422,
+            "Idempotency-Key", "build-42")
+    globex = {"Authorization": f"Bearer {keys['globex']}"}
+    other_model = upload(client, (ZOO / "tinybert.onnx").read_bytes(), headers=globex).json()["id"]
+    theirs = client.post("/v1/jobs", json={"model_id": other_model}, headers=globex | once)
+    assert theirs.status_code == 202 and theirs.json()["id"] != replies[0].json()["id"]
+    plain = [client.post("/v1/jobs", json=body).json()["id"] for _ in range(2)]
+    assert len(set(plain)) == 2 and len(dispatcher.enqueued) == 4
+    refused(client.post("/v1/jobs", json=body, headers={"Idempotency-Key": "x" * 201}), 422,
+            "Idempotency-Key")
