@@ -1,7 +1,6 @@
 """The fusion report: what the compiler did to a model, as JSON and as a readable table."""
 from __future__ import annotations
 
-import json
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
