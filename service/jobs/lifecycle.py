@@ -149,11 +149,6 @@ def requeue_stale(db: Database, stale_after: float, max_attempts: int) -> list[s
     return requeued
 
 
-def mark_enqueued(db: Database, job_id: str) -> None:
-    with db.write() as s:
-        s.execute(update(Job).where(Job.id == job_id).values(enqueued_at=utcnow()))
-
-
 def resend_queued(db: Database, older_than: float) -> list[str]:
     """Queued jobs whose message was sent `older_than` seconds ago: claim a resend for each.
 
