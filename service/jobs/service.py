@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from service.db import Database, utcnow
 from service.jobs.schemas import JobCreate
@@ -61,6 +61,16 @@ def get(db: Database, tenant_id: str, job_id: str) -> tuple[Job, Artifact | None
             raise APIError(404, "Not Found", f"no job with id {job_id!r}")
         artifact = s.scalars(select(Artifact).where(Artifact.job_id == job_id)).first()
     return job, artifact
+
+
+def queue_position(db: Database, job: Job) -> int | None:
+    """A queued job's place in the queue: 1 + the queued jobs (of every tenant) created before it."""
+    if job.state != QUEUED:
+        return None
+    with db.read() as s:
+        ahead = s.scalar(select(func.count()).select_from(Job).where(
+            Job.state == QUEUED, Job.created_at < job.created_at))
+    return 1 + (ahead or 0)
 
 
 def list_jobs(db: Database, tenant_id: str, state: str | None, limit: int,
