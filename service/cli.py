@@ -434,16 +434,17 @@ class ProgressBar:
         self.stream, self.tty, self.last = stream, stream.isatty(), None
 
     def __call__(self, job: dict) -> None:
-        key = (job["state"], job.get("stage"), job["progress"])
+        from service.client import describe_progress
+
+        key = (job["progress"], describe_progress(job))
         if key == self.last:
             return
         self.last = key
         filled = self.WIDTH * job["progress"] // 100
         bar = "#" * filled + "-" * (self.WIDTH - filled)
-        text = f"[{bar}] {job['progress']:3d}% {job['state']}"
-        text += f" ({job['stage']})" if job.get("stage") and job["state"] == "running" else ""
+        text = f"[{bar}] {job['progress']:3d}% {key[1]}"
         if self.tty:
-            self.stream.write(f"\r{text:<70}")
+            self.stream.write(f"\r{text[:110]:<110}")
         else:
             self.stream.write(text + "\n")
         self.stream.flush()
