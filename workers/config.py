@@ -1,9 +1,15 @@
 """Celery configuration from Settings, shared by the workers and the API (which only sends).
 
-At-least-once delivery: tasks are acknowledged after they finish (acks_late) and given back when
-their pool process dies (reject_on_worker_lost); one message is reserved per process at a time.
-The database, not the broker, is the record of a job, so a task that runs twice is harmless
-(see service.jobs.lifecycle), and jobs whose worker vanished are requeued by the reaper.
+At-least-once delivery: tasks are acknowledged after they finish (acks_late); one message is
+reserved per compile slot at a time. The database, not the broker, is the record of a job, so a
+task that runs twice is harmless (see service.jobs.lifecycle), and jobs whose worker vanished are
+requeued by the reaper.
+
+The pool is threads: each task's compile runs in its own limited child process (workers.sandbox),
+so a pool of processes would add nothing but a second layer to supervise. (The prefork pool, with
+the embedded broker, which cannot drive Celery's event loop, is billiard's blocking pool: its
+children share one lock-guarded task pipe, and an idle child holds that lock while it waits, so
+killing one left the lock taken and every later child blocked forever.)
 """
 from __future__ import annotations
 
@@ -32,7 +38,7 @@ def make_celery(settings: Settings) -> Celery:
         broker_transport_options=options,
         broker_connection_retry_on_startup=True,
         task_acks_late=True,
-        task_reject_on_worker_lost=True,
+        worker_pool="threads",
         worker_prefetch_multiplier=1,
         task_ignore_result=True,
         task_default_queue=QUEUE,

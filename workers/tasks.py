@@ -15,7 +15,7 @@ def _db():
     return database(app.kiln_settings.database_url)
 
 
-@app.task(name=COMPILE_TASK, bind=True, acks_late=True, reject_on_worker_lost=True,
+@app.task(name=COMPILE_TASK, bind=True, acks_late=True,
           max_retries=app.kiln_settings.task_max_retries)
 def compile_job(self, job_id: str) -> str:
     """Compile job `job_id`; transient failures retry with exponential backoff."""
