@@ -15,8 +15,8 @@ parent. What ends it:
   `WorkError("internal", ...)`, and a MemoryError (or one caused by it) is a `("limit", ...)`;
 - a crash signal (SEGV, ABRT, BUS, ILL, FPE): `WorkError("crash", ...)`; SIGXCPU or the deadline:
   `WorkError("limit", ...)`;
-- any other end (SIGKILL or SIGTERM from outside: the OOM killer, a shutdown): `WorkError("lost",
-  ...)`, which is not the work's fault;
+- any other signal (SIGKILL or SIGTERM from outside: the OOM killer, a shutdown), or the
+  forkserver's end: `WorkError("lost", ...)`, which is not the work's fault;
 - `stop` set, or `on_message` raising: the child is killed and `Stopped` (or what `on_message`
   raised) propagates.
 """
@@ -35,6 +35,7 @@ from typing import Any
 
 CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGILL, signal.SIGFPE}
 POLL_SECONDS = 0.2
+FORKSERVER_GONE = 255  # multiprocessing's exit code for a child whose forkserver ended first
 PRELOAD = ["kiln.pipeline", "workers.compile"]  # imported once, in the forkserver
 
 
@@ -136,6 +137,8 @@ def _ended(exitcode: int | None, limits: Limits) -> WorkError:
             return WorkError("limit", f"it used more than its CPU limit of {limits.cpu_seconds} s",
                              "cpu")
         return WorkError("lost", f"the compile process was ended by {sig.name} from outside")
+    if exitcode == FORKSERVER_GONE:
+        return WorkError("lost", "the compile process's forkserver ended (a shutdown?)")
     return WorkError("internal", f"the compile process exited with code {exitcode} "
                      "without a result")
 
