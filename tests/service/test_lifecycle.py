@@ -157,6 +157,47 @@ def database_down_work(request: CompileRequest, reporter) -> dict:
     return compile_in_child(dataclasses.replace(request, settings=settings), reporter)
 
 
+def spinning_work(request: CompileRequest, reporter) -> dict:
+    CompileEvents(reporter).stage("plan")
+    while True:
+        pass
+
+
+def aborting_work(request: CompileRequest, reporter) -> dict:
+    CompileEvents(reporter).stage("frontend")
+    os.abort()
+
+
+def hungry_work(request: CompileRequest, reporter) -> dict:
+    CompileEvents(reporter).stage("frontend")
+    return {"size": len(bytearray(4 << 30))}
+
+
+@pytest.mark.parametrize("work, limits, words", [
+    (spinning_work, {"compile_cpu_seconds": 1},
+     ["model too large to compile (in stage plan)", "CPU limit of 1 s", "KILN_COMPILE_CPU_SECONDS"]),
+    (endless_work, {"compile_timeout_seconds": 5},
+     ["model too large to compile (in stage load)", "time limit of 5 s",
+      "KILN_COMPILE_TIMEOUT_SECONDS"]),
+    (hungry_work, {"compile_memory_mb": 2048},
+     ["model too large to compile (in stage frontend)", "memory than its limit of 2048 MiB",
+      "KILN_COMPILE_MEMORY_MB"]),
+    (aborting_work, {},
+     ["invalid model (in stage frontend)", "crashed with SIGABRT"]),
+])
+def test_a_limit_or_a_crash_fails_the_job_naming_it(env, work, limits, words):
+    settings, db, storage, _, new_job = env
+    job_id = new_job()
+    started = time.monotonic()
+    assert run_job(settings.model_copy(update=limits), db, job_id, "w1", work=work) == "failed"
+    assert time.monotonic() - started < 20
+    job = job_row(db, job_id)
+    assert job.state == "failed" and job.attempts == 1
+    for word in words:
+        assert word in job.error, job.error
+    assert artifact_rows(db, job_id) == 0 and not any(storage.tmp.iterdir())
+
+
 def test_stage_seconds_come_from_on_stage(env):
     settings, db, _, _, new_job = env
     job_id = new_job()
