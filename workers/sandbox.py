@@ -92,8 +92,13 @@ def run(work: Callable[[Any, Reporter], Any], request: Any, limits: Limits,
     receiver, sender = ctx.Pipe(duplex=False)
     child = ctx.Process(target=_child_main, args=(work, request, limits, sender),
                         name="kiln-compile", daemon=False)
-    child.start()
-    sender.close()
+    try:
+        child.start()
+    except BaseException:
+        receiver.close()
+        raise
+    finally:
+        sender.close()  # the child holds its own copy
     deadline = time.monotonic() + limits.wall_seconds
     outcome: tuple | None = None
     try:
