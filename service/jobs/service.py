@@ -64,7 +64,7 @@ def get(db: Database, tenant_id: str, job_id: str) -> tuple[Job, Artifact | None
 
 
 def queue_position(db: Database, job: Job) -> int | None:
-    """A queued job's place in the queue: 1 + the queued jobs (of every tenant) created before it."""
+    """A queued job's place in the queue: 1 + the queued jobs of every tenant created before it."""
     if job.state != QUEUED:
         return None
     with db.read() as s:

@@ -175,7 +175,8 @@ def hungry_work(request: CompileRequest, reporter) -> dict:
 
 @pytest.mark.parametrize("work, limits, words", [
     (spinning_work, {"compile_cpu_seconds": 1},
-     ["model too large to compile (in stage plan)", "CPU limit of 1 s", "KILN_COMPILE_CPU_SECONDS"]),
+     ["model too large to compile (in stage plan)", "CPU limit of 1 s",
+      "KILN_COMPILE_CPU_SECONDS"]),
     (endless_work, {"compile_timeout_seconds": 5},
      ["model too large to compile (in stage load)", "time limit of 5 s",
       "KILN_COMPILE_TIMEOUT_SECONDS"]),
