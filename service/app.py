@@ -32,7 +32,7 @@ class Health(BaseModel):
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
-    from workers.config import make_celery
+    from workers.protocol import broker_app
 
     settings = settings or Settings()
     app = FastAPI(title="Kiln compilation service", version=API_VERSION, description=DESCRIPTION,
@@ -40,7 +40,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.db = database(settings.database_url)
     app.state.storage = Storage(settings.storage_root)
-    app.state.dispatcher = Dispatcher(make_celery(settings))
+    app.state.dispatcher = Dispatcher(broker_app(settings))
     problems.install(app)
 
     from service.devices.router import install_body_limit

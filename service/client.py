@@ -20,6 +20,24 @@ import httpx
 TERMINAL = ("succeeded", "failed", "cancelled")
 
 
+def describe_progress(job: dict[str, Any]) -> str:
+    """A job's progress in one line: `queued (2 jobs ahead)`, `running plan: latency of … (12)`,
+    `running tune: fused_matmul_add (12/38)`; the percentage is the caller's to draw."""
+    state = job["state"]
+    if state == "queued" and job.get("queue_position"):
+        ahead = job["queue_position"] - 1
+        return f"queued ({ahead} job{'s' if ahead != 1 else ''} ahead)" if ahead else \
+            "queued (next)"
+    if state != "running" or not job.get("stage"):
+        return state
+    text = f"running {job['stage']}"
+    step = job.get("step")
+    if step:
+        count = f"{step['done']}/{step['total']}" if step.get("total") else f"{step['done']}"
+        text += f": {step['text']} ({count})" if step.get("text") else f" ({count})"
+    return text
+
+
 class ServiceError(Exception):
     """The service refused a request; `detail` is its problem+json message."""
 
@@ -95,13 +113,19 @@ class KilnClient:
     def report(self, job_id: str) -> dict[str, Any]:
         return self._check(self.http.get(f"/v1/jobs/{job_id}/report")).json()
 
-    def events(self, job_id: str) -> Iterator[dict[str, Any]]:
-        """The job's server-sent events: a job dict per change, until it is finished."""
-        with self.http.stream("GET", f"/v1/jobs/{job_id}/events",
-                              timeout=httpx.Timeout(None, connect=10.0)) as response:
+    def events(self, job_id: str, read_timeout: float | None = None,
+               until: Callable[[], object] | None = None) -> Iterator[dict[str, Any]]:
+        """The job's server-sent events: a job dict per change, until it is finished.
+
+        `read_timeout`: the longest wait for the next line (an event or a keep-alive) before
+        httpx.ReadTimeout; `until()` is called after every line (it raises to stop)."""
+        timeout = httpx.Timeout(read_timeout, connect=min(10.0, read_timeout or 10.0))
+        with self.http.stream("GET", f"/v1/jobs/{job_id}/events", timeout=timeout) as response:
             self._check_stream(response)
             event, data = "message", []
             for line in response.iter_lines():
+                if until:
+                    until()
                 if line == "":
                     if data and event == "job":
                         yield json.loads("\n".join(data))
@@ -120,23 +144,35 @@ class KilnClient:
 
     def wait(self, job_id: str, on_progress: Callable[[dict[str, Any]], None] | None = None,
              timeout: float | None = None) -> dict[str, Any]:
-        """Follow the job's events until it is finished; return the job."""
+        """Follow the job's events until it is finished; return the job.
+
+        TimeoutError when it is not finished after `timeout` seconds: the clock is read after
+        every line of the stream, and no read waits more than a tenth of the timeout (at least
+        1 s), so the wait ends at most that much late."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        job: dict[str, Any] = {}
+
+        def left() -> float | None:
+            if deadline is None:
+                return None
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"job {job_id} did not finish in {timeout:g} s")
+            return remaining
+
         while True:
+            remaining = left()
+            read = None if remaining is None else min(remaining, max(1.0, timeout / 10))
             try:
-                for job in self.events(job_id):
+                for job in self.events(job_id, read_timeout=read, until=left):
                     if on_progress:
                         on_progress(job)
-                    if deadline and time.monotonic() > deadline:
-                        raise TimeoutError(f"job {job_id} did not finish in {timeout} s")
-            except httpx.TransportError:  # the stream broke; poll once and follow again
-                time.sleep(0.5)
-            job = self.job(job_id)
+            except httpx.TransportError:  # the stream broke or went quiet: poll, follow again
+                time.sleep(min(0.5, left() or 0.5))
+            limit = left()
+            job = self._check(self.http.get(f"/v1/jobs/{job_id}", timeout=httpx.USE_CLIENT_DEFAULT
+                                            if limit is None else limit)).json()
             if job["state"] in TERMINAL:
                 return job
-            if deadline and time.monotonic() > deadline:
-                raise TimeoutError(f"job {job_id} did not finish in {timeout} s")
 
     def download_artifact(self, job_id: str, dest: str | Path) -> Path:
         """Stream the artifact to `dest` (written under a temporary name, then renamed)."""

@@ -1,7 +1,9 @@
-"""How the API hands jobs to workers: one Celery message per job, task id = job id."""
+"""How the API hands jobs to workers: one message per job, as workers.protocol says."""
 from __future__ import annotations
 
 import logging
+
+from workers import protocol
 
 log = logging.getLogger("kiln.service")
 
@@ -11,11 +13,7 @@ class Dispatcher:
         self.celery = celery_app
 
     def enqueue(self, job_id: str) -> None:
-        from workers.config import COMPILE_TASK
-
-        self.celery.send_task(COMPILE_TASK, args=[job_id], task_id=job_id,
-                              retry=True, retry_policy={"max_retries": 3, "interval_start": 0.2,
-                                                        "interval_step": 0.5, "interval_max": 2})
+        protocol.send_compile(self.celery, protocol.CompileMessage(job_id=job_id))
 
     def revoke(self, job_id: str) -> None:
         """Tell workers to drop the job's message (best effort: the database already says so)."""

@@ -46,7 +46,15 @@ class Settings(BaseSettings):
     max_stored_bytes: int = Field(20 << 30, ge=0, description=(
         "bytes of models and artifacts stored per tenant; an upload past it is refused"))
 
-    worker_concurrency: int = Field(1, ge=1, description="compile processes per worker")
+    worker_concurrency: int = Field(1, ge=1, description="compiles a worker runs at once")
+    # Each compile runs in a child process with these limits (workers.sandbox); hitting one fails
+    # the job as a model too large to compile.
+    compile_memory_mb: int = Field(8192, ge=256, description=(
+        "address space of a compile process (RLIMIT_AS), in MiB"))
+    compile_cpu_seconds: int = Field(3600, ge=1, description=(
+        "CPU seconds of a compile process (RLIMIT_CPU), plus its tuning budget on every core"))
+    compile_timeout_seconds: float = Field(1800.0, gt=0, description=(
+        "wall-clock seconds of a compile, plus its tuning budget"))
     heartbeat_seconds: float = Field(5.0, gt=0, description="how often a running job says alive")
     stale_after_seconds: float = Field(60.0, gt=0, description="silence after which a job is re-run")
     reap_interval_seconds: float = Field(10.0, gt=0, description="how often workers look for them")

@@ -7,7 +7,8 @@ from __future__ import annotations
 from celery.signals import worker_ready
 
 from service.settings import get_settings
-from workers.config import COMPILE_TASK, QUEUE, make_celery
+from workers.config import make_celery
+from workers.protocol import COMPILE_TASK, QUEUE
 
 __all__ = ["app", "COMPILE_TASK", "QUEUE"]
 

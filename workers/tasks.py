@@ -5,6 +5,7 @@ import logging
 
 from workers.app import COMPILE_TASK, app
 from workers.compile import TRANSIENT, run_job
+from workers.protocol import CompileMessage
 
 log = logging.getLogger("kiln.worker")
 
@@ -15,10 +16,11 @@ def _db():
     return database(app.kiln_settings.database_url)
 
 
-@app.task(name=COMPILE_TASK, bind=True, acks_late=True, reject_on_worker_lost=True,
+@app.task(name=COMPILE_TASK, bind=True, acks_late=True,
           max_retries=app.kiln_settings.task_max_retries)
 def compile_job(self, job_id: str) -> str:
     """Compile job `job_id`; transient failures retry with exponential backoff."""
+    job_id = CompileMessage(job_id=job_id).job_id  # the contract's checks (workers.protocol)
     try:
         outcome = run_job(app.kiln_settings, _db(), job_id, self.request.hostname or "worker")
     except TRANSIENT as exc:

@@ -153,7 +153,10 @@ def calls_the_service(handler):
 def follow(client, job_id: str) -> dict:
     """Follow a job with a progress bar until it is finished; return it. On Ctrl-C, say how to
     follow or cancel it (it keeps running on the service) and exit."""
+    from rich.markup import escape
     from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
+
+    from service.client import describe_progress
 
     progress = Progress(TextColumn(f"job {job_id[:8]}"), BarColumn(), TaskProgressColumn(),
                         TextColumn("{task.description}"), TimeElapsedColumn(),
@@ -163,9 +166,8 @@ def follow(client, job_id: str) -> dict:
             task = progress.add_task("queued", total=100)
 
             def show(job: dict) -> None:
-                running = job["state"] == "running" and job.get("stage")
-                progress.update(task, completed=job["progress"], description=job["state"] + (
-                    f" ({job['stage']})" if running else ""))
+                progress.update(task, completed=job["progress"],
+                                description=escape(describe_progress(job)))
 
             job = client.wait(job_id, on_progress=show)
             show(job)

@@ -63,6 +63,7 @@ def claim(db: Database, job_id: str, worker: str, stale_after: float,
         job.attempts += 1
         job.started_at = job.started_at or now
         job.stage, job.progress, job.stage_seconds, job.error = None, 0, {}, None
+        job.step_done = job.step_total = job.step_text = None
         return Claim(job.id, job.attempts, model.sha256, model.filename, job.target,
                      job.partitioner, dict(job.shapes or {}), job.rewrite, job.tune or "off",
                      job.tune_budget_s)
@@ -78,9 +79,29 @@ def heartbeat(db: Database, job_id: str, attempt: int) -> bool:
 def record_stage(db: Database, job_id: str, attempt: int, stage: str,
                  stage_seconds: dict[str, float]) -> bool:
     values: dict[str, Any] = {"stage": stage, "stage_seconds": stage_seconds,
-                              "heartbeat_at": utcnow()}
+                              "heartbeat_at": utcnow(), **_NO_STEP}
     if stage in STAGE_PROGRESS:
         values["progress"] = STAGE_PROGRESS[stage]
+    with db.write() as s:
+        return s.execute(update(Job).where(*_fence(job_id, attempt)).values(**values)).rowcount == 1
+
+
+_NO_STEP = {"step_done": None, "step_total": None, "step_text": None}
+STEP_TEXT_MAX = 200
+
+
+def record_progress(db: Database, job_id: str, attempt: int, stage: str, done: int, total: int,
+                    what: str) -> bool:
+    """Progress within a stage (the compiler's on_progress): `done` of `total` steps (a total of
+    0: not known in advance), `what` the one in hand. With a total, the job's percentage moves
+    from the stage's start towards the next stage's."""
+    done, total = max(int(done), 0), max(int(total), 0)
+    values: dict[str, Any] = {"step_done": min(done, total) if total else done,
+                              "step_total": total or None, "step_text": str(what)[:STEP_TEXT_MAX]}
+    if total and stage in STAGE_PROGRESS:
+        start = STAGE_PROGRESS[stage]
+        end = min((p for p in STAGE_PROGRESS.values() if p > start), default=100)
+        values["progress"] = start + (end - 1 - start) * min(done, total) // total
     with db.write() as s:
         return s.execute(update(Job).where(*_fence(job_id, attempt)).values(**values)).rowcount == 1
 
@@ -147,11 +168,6 @@ def requeue_stale(db: Database, stale_after: float, max_attempts: int) -> list[s
         if changed and not give_up:
             requeued.append(job_id)
     return requeued
-
-
-def mark_enqueued(db: Database, job_id: str) -> None:
-    with db.write() as s:
-        s.execute(update(Job).where(Job.id == job_id).values(enqueued_at=utcnow()))
 
 
 def resend_queued(db: Database, older_than: float) -> list[str]:

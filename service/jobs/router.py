@@ -59,13 +59,15 @@ def list_jobs(tenant: Tenant, db: DB, state: JobState | None = None, limit: Limi
 
 @router.get("/{job_id}", response_model=JobOut, summary="A job: state, stage, progress, error")
 def get_job(job_id: str, tenant: Tenant, db: DB):
-    return job_out(*service.get(db, tenant, job_id))
+    job, artifact = service.get(db, tenant, job_id)
+    return job_out(job, artifact, service.queue_position(db, job))
 
 
 @router.post("/{job_id}/cancel", response_model=JobOut, status_code=202, responses=_CONFLICT,
              summary="Cancel a queued or running job")
 def cancel_job(job_id: str, request: Request, tenant: Tenant, db: DB):
-    """A queued job never starts; a running one stops at its next stage. Repeating is harmless."""
+    """A queued job never starts; a running one's compile is stopped within seconds (at the
+    worker's next heartbeat). Repeating is harmless."""
     job, stopped = service.cancel(db, tenant, job_id)
     if stopped:
         request.app.state.dispatcher.revoke(job_id)
@@ -103,7 +105,8 @@ def get_report(job_id: str, tenant: Tenant, db: DB):
 @router.get("/{job_id}/events", summary="Server-sent events of a job's progress",
             response_class=StreamingResponse,
             responses={200: {"content": {"text/event-stream": {}}, "description": (
-                "`event: job` with the job as JSON whenever its state, stage or progress changes; "
+                "`event: job` with the job as JSON whenever its state, stage, progress, step or "
+                "queue position changes; "
                 "`event: end` once it is finished, then the stream closes")}})
 async def job_events(job_id: str, tenant: Tenant, db: DB, settings: Config):
     job, artifact = await run_in_threadpool(service.get, db, tenant, job_id)  # 404 before streaming
@@ -121,8 +124,8 @@ async def job_events(job_id: str, tenant: Tenant, db: DB, settings: Config):
         seen, last_sent, n = None, time.monotonic(), 0
         renewed = time.monotonic()
         while True:
-            out = job_out(job, artifact)
-            key = (out.state, out.stage, out.progress)
+            out = job_out(job, artifact, await run_in_threadpool(service.queue_position, db, job))
+            key = (out.state, out.stage, out.progress, out.step, out.queue_position)
             if key != seen:
                 seen, n, last_sent = key, n + 1, time.monotonic()
                 yield f"id: {n}\nevent: job\ndata: {out.model_dump_json()}\n\n"

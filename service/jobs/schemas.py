@@ -101,6 +101,14 @@ class ArtifactOut(BaseModel):
     created_at: datetime
 
 
+class StepOut(BaseModel):
+    """Progress within the running stage, as the compiler reports it."""
+
+    done: int = Field(ge=0, description="steps done")
+    total: int | None = Field(None, ge=1, description="steps in all; null when not known ahead")
+    text: str = Field(description="the step in hand, for a person to read")
+
+
 class JobOut(BaseModel):
     model_config = ConfigDict(from_attributes=True)
 
@@ -116,6 +124,11 @@ class JobOut(BaseModel):
     stage: str | None = Field(description="the compiler stage running or last run")
     progress: int = Field(ge=0, le=100)
     stage_seconds: dict[str, float] = Field(description="seconds per finished stage")
+    step: StepOut | None = Field(None, description="progress within the running stage, when "
+                                 "the stage reports it")
+    queue_position: int | None = Field(None, description=(
+        "a queued job's place in the queue (1: the next to start), counting every tenant's "
+        "queued jobs created before it; null unless queued (and in lists)"))
     error: str | None = Field(description="why the job failed (the compiler's message)")
     attempts: int = Field(description="runs started (more than one after a lost worker)")
     worker: str | None = Field(description="the worker running it or that ran it last")
@@ -126,9 +139,12 @@ class JobOut(BaseModel):
     links: dict[str, str] = Field(default_factory=dict)
 
 
-def job_out(job: Any, artifact: Any | None = None) -> JobOut:
+def job_out(job: Any, artifact: Any | None = None, queue_position: int | None = None) -> JobOut:
     out = JobOut.model_validate(job)
     out.artifact = ArtifactOut.model_validate(artifact) if artifact is not None else None
+    if job.state == "running" and job.step_done is not None:
+        out.step = StepOut(done=job.step_done, total=job.step_total, text=job.step_text or "")
+    out.queue_position = queue_position if job.state == "queued" else None
     base = f"/v1/jobs/{job.id}"
     out.links = {"self": base, "events": f"{base}/events", "cancel": f"{base}/cancel"}
     if job.state == "succeeded":

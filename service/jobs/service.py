@@ -113,6 +113,16 @@ def get(db: Database, tenant_id: str, job_id: str) -> tuple[Job, Artifact | None
     return job, artifact
 
 
+def queue_position(db: Database, job: Job) -> int | None:
+    """A queued job's place in the queue: 1 + the queued jobs of every tenant created before it."""
+    if job.state != QUEUED:
+        return None
+    with db.read() as s:
+        ahead = s.scalar(select(func.count()).select_from(Job).where(
+            Job.state == QUEUED, Job.created_at < job.created_at))
+    return 1 + (ahead or 0)
+
+
 def list_jobs(db: Database, tenant_id: str, state: str | None, limit: int,
               offset: int) -> list[tuple[Job, Artifact | None]]:
     query = (select(Job, Artifact).outerjoin(Artifact, Artifact.job_id == Job.id)

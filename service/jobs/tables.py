@@ -43,6 +43,11 @@ class Job(Base):
     stage: Mapped[str | None] = mapped_column(String(32), nullable=True)
     progress: Mapped[int] = mapped_column(Integer, default=0)
     stage_seconds: Mapped[dict[str, float]] = mapped_column(JSON, default=dict)
+    # Within the stage: what the compiler is doing ("measuring kernel 12/38"); None when the
+    # stage reported nothing (migration 0006).
+    step_done: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    step_total: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    step_text: Mapped[str | None] = mapped_column(String(200), nullable=True)
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
     report: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
 

@@ -16,3 +16,15 @@ def test_kiln_and_its_cli_do_not_load_the_service_stack():
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == ""
+
+
+def test_the_api_needs_only_the_queue_contract(tmp_path):
+    """Issue 12 §5: the API sends jobs through workers.protocol; it builds no worker app and
+    loads none of the workers' code (their tasks, the compile, the sandbox)."""
+    code = ("import sys; from service.app import create_app; "
+            "from service.settings import Settings; "
+            f"app = create_app(Settings(data_dir={str(tmp_path)!r})); "
+            "print(','.join(sorted(m for m in sys.modules if m.startswith('workers'))))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "workers,workers.broker,workers.protocol"

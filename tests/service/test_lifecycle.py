@@ -1,10 +1,13 @@
 """The worker side of jobs on SQLite and PostgreSQL: claims, fencing, idempotence, outcomes.
 
-`run_job` is what the Celery task runs; here it is called directly, with the real compiler
-unless a test replaces compile_artifact to control timing or failure.
+`run_job` is what the Celery task runs; here it is called directly, with the real compiler in
+its child process unless a test gives the child other work to control timing or failure.
 """
 from __future__ import annotations
 
+import dataclasses
+import os
+import signal
 import threading
 import time
 from datetime import timedelta
@@ -14,7 +17,6 @@ import pytest
 from sqlalchemy import func, select, update
 from sqlalchemy.exc import OperationalError
 
-from kiln import pipeline
 from service.db import database, utcnow
 from service.jobs import lifecycle
 from service.jobs import service as jobs
@@ -25,7 +27,7 @@ from service.models.tables import ModelRecord
 from service.settings import Settings
 from service.storage import Storage
 from service.tenants.service import create_tenant
-from workers.compile import run_job
+from workers.compile import CompileEvents, CompileRequest, TransientError, compile_in_child, run_job
 
 ZOO = Path(__file__).resolve().parents[1] / "fixtures" / "zoo"
 
@@ -112,76 +114,215 @@ def test_compile_error_fails_with_the_compilers_message(env):
     assert artifact_rows(db, bad_shape) == 0 and not any(storage.tmp.iterdir())
 
 
-def fake_compiler(monkeypatch, body):
-    def compile_artifact(model_path, out_path, options, store, on_stage=None):
-        return body(Path(out_path), on_stage)
-    monkeypatch.setattr(pipeline, "compile_artifact", compile_artifact)
+# --- what the compile child runs, in place of the compiler (module level: the child imports it)
+def staged_work(request: CompileRequest, reporter) -> dict:
+    """Three stages of known length, then an artifact."""
+    events = CompileEvents(reporter)
+    for stage, seconds in (("load", 0.05), ("frontend", 0.3), ("plan", 0.1)):
+        events.stage(stage)
+        time.sleep(seconds)
+    request.out.write_bytes(b"artifact")
+    return {"kernels": 1}
 
 
-def test_stage_seconds_come_from_on_stage(env, monkeypatch):
-    settings, db, _, _, new_job = env
-    seen = []
+def measuring_work(request: CompileRequest, reporter) -> dict:
+    """Plan and tune stages that report each step (on_progress), slowly."""
+    events = CompileEvents(reporter)
+    events.stage("plan")
+    events.progress("plan", 7, 0, "latency of a block")  # a total not known ahead
+    time.sleep(0.6)
+    events.stage("tune")
+    for done in range(1, 5):
+        events.progress("tune", done, 4, f"kernel fused_{done}")
+        time.sleep(0.6)
+    request.out.write_bytes(b"artifact")
+    return {"kernels": 4}
 
-    def body(out: Path, on_stage):
-        for stage, seconds in (("load", 0.05), ("frontend", 0.3), ("plan", 0.1)):
-            on_stage(stage)
-            seen.append(job_row(db, job_id).progress)
-            time.sleep(seconds)
-        out.write_bytes(b"artifact")
-        return {"kernels": 1}
 
-    fake_compiler(monkeypatch, body)
+def endless_work(request: CompileRequest, reporter) -> dict:
+    """A stage that would last ten minutes: only killing the child ends it."""
+    CompileEvents(reporter).stage("load")
+    time.sleep(600)
+    raise AssertionError("not reached")
+
+
+def failing_work(request: CompileRequest, reporter) -> dict:
+    raise ZeroDivisionError("oops")
+
+
+def database_down_work(request: CompileRequest, reporter) -> dict:
+    """The real compile, with the database gone (nothing listens on port 1)."""
+    settings = request.settings.model_copy(
+        update={"database_url": "postgresql://kiln@127.0.0.1:1/kiln"})
+    return compile_in_child(dataclasses.replace(request, settings=settings), reporter)
+
+
+def spinning_work(request: CompileRequest, reporter) -> dict:
+    CompileEvents(reporter).stage("plan")
+    while True:
+        pass
+
+
+def aborting_work(request: CompileRequest, reporter) -> dict:
+    CompileEvents(reporter).stage("frontend")
+    os.abort()
+
+
+def hungry_work(request: CompileRequest, reporter) -> dict:
+    CompileEvents(reporter).stage("frontend")
+    return {"size": len(bytearray(4 << 30))}
+
+
+@pytest.mark.parametrize("work, limits, words", [
+    (spinning_work, {"compile_cpu_seconds": 1},
+     ["model too large to compile (in stage plan)", "CPU limit of 1 s",
+      "KILN_COMPILE_CPU_SECONDS"]),
+    (endless_work, {"compile_timeout_seconds": 5},
+     ["model too large to compile (in stage load)", "time limit of 5 s",
+      "KILN_COMPILE_TIMEOUT_SECONDS"]),
+    (hungry_work, {"compile_memory_mb": 2048},
+     ["model too large to compile (in stage frontend)", "memory than its limit of 2048 MiB",
+      "KILN_COMPILE_MEMORY_MB"]),
+    (aborting_work, {},
+     ["invalid model (in stage frontend)", "crashed with SIGABRT"]),
+])
+def test_a_limit_or_a_crash_fails_the_job_naming_it(env, work, limits, words):
+    settings, db, storage, _, new_job = env
     job_id = new_job()
-    assert run_job(settings, db, job_id, "w1") == "succeeded"
+    started = time.monotonic()
+    assert run_job(settings.model_copy(update=limits), db, job_id, "w1", work=work) == "failed"
+    assert time.monotonic() - started < 20
     job = job_row(db, job_id)
-    assert seen == [0, 5, 30]
-    assert job.stage_seconds["frontend"] == pytest.approx(0.3, abs=0.1)
-    assert job.stage_seconds["load"] == pytest.approx(0.05, abs=0.05)
+    assert job.state == "failed" and job.attempts == 1
+    for word in words:
+        assert word in job.error, job.error
+    assert artifact_rows(db, job_id) == 0 and not any(storage.tmp.iterdir())
+
+
+def test_stage_seconds_come_from_on_stage(env):
+    settings, db, _, _, new_job = env
+    job_id = new_job()
+    assert run_job(settings, db, job_id, "w1", work=staged_work) == "succeeded"
+    job = job_row(db, job_id)
+    assert job.stage_seconds["frontend"] == pytest.approx(0.3, abs=0.15)
+    assert job.stage_seconds["load"] == pytest.approx(0.05, abs=0.1)
     assert job.report == {"kernels": 1} and job.stage == "plan"
 
 
-def test_cancel_stops_a_running_job_at_its_next_stage(env, monkeypatch):
-    settings, db, storage, tenant, new_job = env
+def _run_in_thread(settings, db, job_id, work) -> tuple[threading.Thread, list]:
+    """run_job in a thread; its outcome (or what it raised) lands in the list."""
+    outcome: list = []
 
-    def body(out: Path, on_stage):
-        on_stage("load")
-        jobs.cancel(db, tenant, job_id)
-        on_stage("frontend")
-        raise AssertionError("not reached")
+    def run() -> None:
+        try:
+            outcome.append(run_job(settings, db, job_id, "w1", work=work))
+        except Exception as exc:  # noqa: BLE001 - the test looks at it
+            outcome.append(exc)
 
-    fake_compiler(monkeypatch, body)
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, outcome
+
+
+def _until(predicate, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+    return value
+
+
+def test_progress_within_a_stage_is_recorded(env):
+    """Issue 14.14: the job sat at "30% plan" while kernels were measured."""
+    settings, db, _, _, new_job = env
     job_id = new_job()
-    assert run_job(settings, db, job_id, "w1") == "aborted"
+    thread, outcome = _run_in_thread(settings, db, job_id, measuring_work)
+    seen = set()
+    while thread.is_alive():
+        job = job_row(db, job_id)
+        if job.step_text:
+            seen.add((job.progress, job.step_done, job.step_total, job.step_text))
+        time.sleep(0.05)
+    thread.join()
+    assert outcome == ["succeeded"]
+    # tune runs from 35 % to 45 %: its steps move the job between them, a quarter each
+    assert (30, 7, None, "latency of a block") in seen, seen  # no total: the stage's start
+    assert {(37, 1, 4, "kernel fused_1"), (39, 2, 4, "kernel fused_2"),
+            (44, 4, 4, "kernel fused_4")} <= seen, seen
+    job = job_row(db, job_id)
+    assert job.progress == 100 and job.report == {"kernels": 4}
+
+
+def test_a_new_stage_clears_the_step(env):
+    settings, db, _, _, new_job = env
+    job_id = new_job()
+    claim = lifecycle.claim(db, job_id, "w1", 30, 3)
+    assert lifecycle.record_progress(db, job_id, claim.attempt, "plan", 3, 10, "kernel k3")
+    job = job_row(db, job_id)
+    assert (job.progress, job.step_done, job.step_total) == (30 + 4 * 3 // 10, 3, 10)
+    assert lifecycle.record_stage(db, job_id, claim.attempt, "codegen", {})
+    job = job_row(db, job_id)
+    assert (job.progress, job.step_done, job.step_total, job.step_text) == (45, None, None, None)
+    assert not lifecycle.record_progress(db, job_id, claim.attempt + 1, "plan", 1, 2, "x")
+
+
+def test_cancel_stops_a_running_compile_at_once(env):
+    """Issue 14.15: a cancelled job's compile ran on until its next stage."""
+    settings, db, storage, tenant, new_job = env
+    job_id = new_job()
+    thread, outcome = _run_in_thread(settings, db, job_id, endless_work)
+    _until(lambda: job_row(db, job_id).stage == "load")
+    jobs.cancel(db, tenant, job_id)
+    cancelled = time.monotonic()
+    thread.join(timeout=30)
+    assert outcome == ["aborted"]
+    assert time.monotonic() - cancelled < settings.heartbeat_seconds + 3
     job = job_row(db, job_id)
     assert job.state == "cancelled" and artifact_rows(db, job_id) == 0
     assert run_job(settings, db, job_id, "w1") == "skipped"
     assert not any(storage.tmp.iterdir())
 
 
-def test_internal_error_fails_the_job(env, monkeypatch):
+def test_internal_error_fails_the_job(env):
     settings, db, _, _, new_job = env
-
-    def body(out, on_stage):
-        raise ZeroDivisionError("oops")
-
-    fake_compiler(monkeypatch, body)
     job_id = new_job()
-    assert run_job(settings, db, job_id, "w1") == "failed"
+    assert run_job(settings, db, job_id, "w1", work=failing_work) == "failed"
     assert job_row(db, job_id).error == "internal compiler error: ZeroDivisionError: oops"
 
 
-def test_transient_failure_gives_the_job_back(env, monkeypatch):
+def test_transient_failure_gives_the_job_back(env):
     settings, db, _, _, new_job = env
-
-    def body(out, on_stage):
-        raise OperationalError("SELECT 1", {}, Exception("connection lost"))
-
-    fake_compiler(monkeypatch, body)
     job_id = new_job()
-    with pytest.raises(OperationalError):
-        run_job(settings, db, job_id, "w1")
+    with pytest.raises(TransientError, match="OperationalError"):
+        run_job(settings, db, job_id, "w1", work=database_down_work)
     job = job_row(db, job_id)
     assert job.state == "queued" and job.worker is None and job.attempts == 1
+
+
+def test_a_compile_child_killed_from_outside_gives_the_job_back(env):
+    """SIGKILL of the compile process (the OOM killer, an operator) is not the model's fault:
+    the job goes back to the queue, as when its whole worker is killed."""
+    settings, db, _, _, new_job = env
+    job_id = new_job()
+    thread, outcome = _run_in_thread(settings, db, job_id, endless_work)
+    _until(lambda: job_row(db, job_id).stage == "load")
+    child = _until(lambda: _compile_child())
+    os.kill(child, signal.SIGKILL)
+    thread.join(timeout=30)
+    assert isinstance(outcome[0], TransientError), outcome  # the task retries
+    assert "SIGKILL from outside" in str(outcome[0])
+    job = job_row(db, job_id)
+    assert job.state == "queued" and job.attempts == 1 and job.error is None
+
+
+def _compile_child() -> int | None:
+    """The pid of the compile child (the forkserver's child named by workers.sandbox)."""
+    import multiprocessing
+
+    for process in multiprocessing.active_children():
+        if process.name == "kiln-compile":
+            return process.pid
+    return None
 
 
 def test_a_silent_run_is_requeued_and_fenced_out(env):
