@@ -51,6 +51,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(models_router)
     app.include_router(jobs_router)
     app.include_router(agents_router)
+    from service.devices.farm_router import router as devices_router
+    from service.profiles.router import router as profiles_router
+
+    app.include_router(devices_router)
+    app.include_router(profiles_router)
     install_body_limit(app)
 
     @app.get("/v1/health", response_model=Health, tags=["service"], summary="Liveness")

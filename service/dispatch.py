@@ -17,6 +17,14 @@ class Dispatcher:
                               retry=True, retry_policy={"max_retries": 3, "interval_start": 0.2,
                                                         "interval_step": 0.5, "interval_max": 2})
 
+    def enqueue_profile(self, run_id: str) -> None:
+        """Send a profile run to a worker (workers.profile_jobs)."""
+        from workers.config import PROFILE_TASK
+
+        self.celery.send_task(PROFILE_TASK, args=[run_id], task_id=f"profile-{run_id}",
+                              retry=True, retry_policy={"max_retries": 3, "interval_start": 0.2,
+                                                        "interval_step": 0.5, "interval_max": 2})
+
     def revoke(self, job_id: str) -> None:
         """Tell workers to drop the job's message (best effort: the database already says so)."""
         try:

@@ -7,9 +7,9 @@ from __future__ import annotations
 from celery.signals import worker_ready
 
 from service.settings import get_settings
-from workers.config import COMPILE_TASK, QUEUE, make_celery
+from workers.config import COMPILE_TASK, PROFILE_TASK, QUEUE, make_celery
 
-__all__ = ["app", "COMPILE_TASK", "QUEUE"]
+__all__ = ["app", "COMPILE_TASK", "PROFILE_TASK", "QUEUE"]
 
 app = make_celery(get_settings())
 

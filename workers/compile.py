@@ -17,6 +17,7 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 
 from service.db import Database
 from service.jobs import lifecycle
+from service.profiles.lookups import LookupRecorder, save_compile, without_graph
 from service.settings import Settings
 from service.storage import Storage, file_sha256
 
@@ -127,14 +128,16 @@ def run_job(settings: Settings, db: Database, job_id: str, worker: str) -> str:
         named.parent.mkdir()
         named.symlink_to(model_path)
         built = build_dir / "model.kiln"
-        store = profile_store(settings, db, storage, claim.target)
+        store = LookupRecorder(profile_store(settings, db, storage, claim.target))
         report = pipeline.compile_artifact(named, built, compile_options(claim), store, on_stage)
         if hasattr(store, "stats"):
             log.info("job %s: profile answers %s", job_id, store.stats())
         seconds = clock.enter(None)
         if beat.lost.is_set():
             raise JobAborted(job_id)
-        if lifecycle.succeed(db, storage, claim, built, report, seconds, file_sha256(built)):
+        if lifecycle.succeed(db, storage, claim, built, without_graph(report), seconds,
+                             file_sha256(built)):
+            save_compile(db, job_id, report, store.lookups)
             return "succeeded"
         return "aborted"
     except JobAborted:

@@ -13,6 +13,7 @@ from service.settings import Settings
 from workers import broker
 
 COMPILE_TASK = "kiln.compile"
+PROFILE_TASK = "kiln.profile"  # workers.profile_jobs
 QUEUE = "kiln"
 
 
@@ -43,7 +44,7 @@ def make_celery(settings: Settings) -> Celery:
         worker_send_task_events=False,
         task_send_sent_event=False,
         enable_utc=True,
-        include=["workers.tasks"],
+        include=["workers.tasks", "workers.profile_jobs"],
     )
     app.kiln_settings = settings
     return app
