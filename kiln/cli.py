@@ -17,7 +17,7 @@ from kiln.tune import DEFAULT_BUDGET_S, TUNE_MODES, check_budget
 
 # Modules defining `add_commands(subparsers)`; each registers its subcommands.
 COMMAND_MODULES: tuple[str, ...] = ("kiln.runtime.cli", "service.cli", "workers.cli",
-                                    "kiln.rewrite.cli")
+                                    "kiln.rewrite.cli", "service.profile_cli")
 
 
 def _compile(args: argparse.Namespace) -> int:
