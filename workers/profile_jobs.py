@@ -78,7 +78,8 @@ def run_profile(settings: Settings, db: Database, run_id: str) -> str:
                                 m.threads, m.emulated)
         entries = [NewEntry(k["signature"], k["schedule"],
                             Summary(k["median_s"], k["p10_s"], k["p90_s"], k["n"]),
-                            toolchain=manifest["target"]["cc"])
+                            toolchain=manifest["target"]["cc"],
+                            description=blocks[k["block"]].get("description"))
                    for k in result["kernels"] if k["signature"]]
         runs.finish(db, run_id, result=result, device_id=device.id,
                     entries=(device.fingerprint, entries))

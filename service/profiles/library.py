@@ -205,6 +205,7 @@ def plan(db: Database, tenant_id: str, job_id: str) -> dict[str, Any]:
             raise APIError(404, "Not Found", f"job {job_id} was compiled before Kiln kept fusion "
                            "plans; compile the model again to see its plan")
         raise APIError(409, "Conflict", f"job {job_id} has no plan: it is {job.state}")
-    return {**row.graph, "job_id": job_id,
+    blocks = [{k: v for k, v in b.items() if k != "description"} for b in row.graph["blocks"]]
+    return {**row.graph, "blocks": blocks, "job_id": job_id,
             "lookups": [{"ops": x.ops, "signature": x.signature, "answer": x.answer,
                          "source": x.source, "seconds": x.seconds} for x in lookups]}

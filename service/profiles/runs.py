@@ -139,7 +139,9 @@ def start(db: Database, storage: Storage, tenant_id: str, job_id: str,
             db, artifact_path=artifact.path, artifact_sha256=artifact.sha256,
             arch=manifest["target"]["arch"], device_fingerprint=device.fingerprint,
             kernels={k["block"]: {"signature": blocks[k["block"]]["signature"],
-                                  "schedule": k["schedule"]} for k in kernels},
+                                  "schedule": k["schedule"],
+                                  "description": blocks[k["block"]].get("description")}
+                     for k in kernels},
             runs=body.runs, warmup=body.warmup, repeats=body.repeats, priority=20,
             deadline=utcnow() + TASK_TTL, max_attempts=3)
     elif job.target == "host":
