@@ -34,6 +34,7 @@ def site(tmp_path_factory):
     """(stack, agent process, API client) with an agent measuring on this machine."""
     tmp = tmp_path_factory.mktemp("dashboard")
     stack = EmbeddedStack(tmp / "stack", concurrency=1).start()
+    assert f"dashboard at {stack.url}/" in stack.log("serve")  # `kiln serve` says where it is
     token = kiln_cli(stack.env, "admin", "create-agent", "browser-lab").strip()
     config = tmp / "agent.toml"
     config.write_text(f'server = "{stack.url}"\ntoken = "{token}"\nwork_dir = "{tmp / "agent"}"\n'

@@ -190,6 +190,7 @@ function drawGraph(plan, host) {
   host.dataset.rendered = "1";
   host.dataset.ops = String(plan.ops.length);
   host.dataset.renderMs = ms.toFixed(1);
+  host.dataset.readyAt = performance.now().toFixed(1);  // since navigation started
   document.getElementById("graph-status").textContent =
     `${plan.ops.length} ops, ${plan.blocks.length} blocks, ${plan.edges.length} edges`;
 }
@@ -213,9 +214,11 @@ function setView(root, v) { root.setAttribute("viewBox", `${v.x} ${v.y} ${v.w} $
 
 function fit(root, v, host) {
   // Show the whole height of the graph, and as many columns as the panel's shape allows.
+  // A small graph is shown at its own size, never blown up.
   const aspect = host.clientWidth / Math.max(host.clientHeight, 1);
   v.x = 0; v.y = 0; v.h = v.full.h; v.w = Math.min(v.full.w, v.full.h * aspect);
   if (v.w < v.full.w && v.full.w / v.full.h < 8 * aspect) { v.w = v.full.w; v.h = v.w / aspect; }
+  if (v.w < host.clientWidth) { v.w = host.clientWidth; v.h = host.clientHeight; }
   setView(root, v);
 }
 
