@@ -135,9 +135,9 @@ def run_job(settings: Settings, db: Database, job_id: str, worker: str) -> str:
         seconds = clock.enter(None)
         if beat.lost.is_set():
             raise JobAborted(job_id)
+        save_compile(db, job_id, report, store.lookups)  # before the job reads as succeeded
         if lifecycle.succeed(db, storage, claim, built, without_graph(report), seconds,
                              file_sha256(built)):
-            save_compile(db, job_id, report, store.lookups)
             return "succeeded"
         return "aborted"
     except JobAborted:

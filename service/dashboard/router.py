@@ -43,11 +43,15 @@ PAGE_SIZE = 50
 
 # --- formatting filters --------------------------------------------------------------------------
 
-def _ms(seconds: float | None) -> str:
+def duration(seconds: float | None) -> str:
+    """Seconds in the unit that reads best: 12.3 µs, 4.56 ms, 1.234 s."""
     if seconds is None:
         return "–"
-    ms = seconds * 1e3
-    return f"{ms:.3f}" if ms < 10 else f"{ms:.1f}"
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.1f} µs"
+    if seconds < 1:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds:.3f} s"
 
 
 def _bytes(n: int | None) -> str:
@@ -60,7 +64,7 @@ def _bytes(n: int | None) -> str:
     return str(n)
 
 
-templates.env.filters.update(ms=_ms, bytes=_bytes, short=lambda s, n=12: (s or "")[:n])
+templates.env.filters.update(dur=duration, bytes=_bytes, short=lambda s, n=12: (s or "")[:n])
 
 
 def render(request: Request, name: str, session: auth.Session | None, status: int = 200,
@@ -296,7 +300,7 @@ def job_page(request: Request, job_id: str, profile_error: str | None = None):
     job, artifact = jobs.get(db, session.tenant_id, job_id)
     model = models.get(db, session.tenant_id, job.model_id)
     with db.read() as s:
-        plan = s.get(JobPlan, job_id)
+        plan = s.get(JobPlan, job_id) if job.state == "succeeded" else None
     lookups = library.plan(db, session.tenant_id, job_id)["lookups"] if plan else []
     profile_runs = runs.list_runs(db, session.tenant_id, job_id)
     latest = next((r for r in profile_runs if r.state == runs.DONE), None)

@@ -200,7 +200,7 @@ def plan(db: Database, tenant_id: str, job_id: str) -> dict[str, Any]:
         row = s.get(JobPlan, job_id)
         lookups = list(s.scalars(select(JobLookup).where(JobLookup.job_id == job_id)
                                  .order_by(JobLookup.id)))
-    if row is None:
+    if row is None or job.state != "succeeded":
         if job.state == "succeeded":
             raise APIError(404, "Not Found", f"job {job_id} was compiled before Kiln kept fusion "
                            "plans; compile the model again to see its plan")
