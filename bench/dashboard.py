@@ -83,6 +83,8 @@ def main() -> int:
                 drawing.append(float(graph.get_attribute("data-render-ms")) / 1e3)
             page_bytes = len(driver.page_source.encode())
             if args.screenshot:
+                driver.execute_script("window.scrollTo(0, document.getElementById('graph-panel')"
+                                      ".getBoundingClientRect().top + window.scrollY - 300)")
                 driver.save_screenshot(str(args.screenshot))
         finally:
             driver.quit()

@@ -148,6 +148,11 @@ def test_devices_filter_by_selector_terms_and_query_parameters(farm):
     one = farm.http.get(f"/v1/devices/{phone}").json()
     assert one["name"] == "pixel-7" and one["recent_tasks"] == []
     assert httpx.get(f"{farm.url}/v1/devices").status_code == 401  # the Bearer key only
+    spec = httpx.get(f"{farm.url}/v1/openapi.json").json()
+    assert {"/v1/devices", "/v1/devices/{device_id}", "/v1/profiles", "/v1/profiles/summary",
+            "/v1/jobs/{job_id}/plan", "/v1/jobs/{job_id}/profile",
+            "/v1/jobs/{job_id}/profile/{run_id}"} <= set(spec["paths"])
+    assert not {p for p in spec["paths"] if not p.startswith("/v1/")}  # pages are not API
     # the farm is shared: another tenant sees the same devices
     other = httpx.get(f"{farm.url}/v1/devices", headers={"Authorization": f"Bearer {farm.other}"})
     assert {d["name"] for d in other.json()} == {d["name"] for d in devices}

@@ -113,53 +113,88 @@ function pollProfileRuns(jobId) {
 
 // --- the fusion graph --------------------------------------------------------------------------
 
-const NODE_W = 64, NODE_H = 22, COL = 96, ROW = 34, PAD = 7;
+const NODE_W = 64, NODE_H = 22, COL = 88, ROW = 32, PAD = 8, GAP = 28;
 
-function layout(plan) {
-  // x: longest path from the inputs; y: lane within that column, blocks kept together.
+function longestPaths(count, edges) {
+  // edges: [from, to] index pairs with from < to in topological order
+  const depth = new Array(count).fill(0);
+  const incoming = Array.from({length: count}, () => []);
+  for (const [a, b] of edges) incoming[b].push(a);
+  for (let i = 0; i < count; i++) for (const a of incoming[i]) depth[i] = Math.max(depth[i], depth[a] + 1);
+  return depth;
+}
+
+function layout(plan, aspect) {
+  // Each block is a box of its own (ops by their depth inside the block); blocks go in columns
+  // by their depth in the block graph, and the columns wrap into bands, so that the whole plan
+  // fits the panel's shape and block boxes never overlap.
   const index = new Map(plan.ops.map((op, i) => [op.id, i]));
-  const blockOrder = new Map(plan.blocks.map((b, i) => [b.id, i]));
-  const preds = plan.ops.map(() => []);
-  for (const e of plan.edges) preds[index.get(e.to)].push(index.get(e.from));
-  const depth = new Array(plan.ops.length).fill(0);
-  plan.ops.forEach((op, i) => {  // ops come in topological order
-    for (const p of preds[i]) depth[i] = Math.max(depth[i], depth[p] + 1);
+  const blocks = plan.blocks.map((b) => ({...b, members: b.ops.filter((id) => index.has(id))}));
+  const blockAt = new Map(blocks.map((b, i) => [b.id, i]));
+  plan.ops.forEach((op) => {  // an op outside every block gets a box of its own
+    if (!blockAt.has(op.block)) {
+      blockAt.set(op.block ?? op.id, blocks.length);
+      blocks.push({id: op.block ?? op.id, name: op.id, mapping: op.mapping, ops: [op.id], members: [op.id]});
+    }
   });
-  const columns = new Map();
-  plan.ops.forEach((op, i) => {
-    if (!columns.has(depth[i])) columns.set(depth[i], []);
-    columns.get(depth[i]).push(i);
-  });
-  const pos = new Array(plan.ops.length);
-  for (const [d, members] of columns) {
-    members.sort((a, b) => (blockOrder.get(plan.ops[a].block) ?? 0) -
-                           (blockOrder.get(plan.ops[b].block) ?? 0) || a - b);
-    members.forEach((i, lane) => { pos[i] = {x: d * COL + PAD * 2, y: lane * ROW + PAD * 2}; });
+  const blockOfOp = plan.ops.map((op) => blockAt.get(op.block ?? op.id));
+  const opEdges = plan.edges.map((e) => [index.get(e.from), index.get(e.to)]).filter(([a, b]) => a !== undefined && b !== undefined);
+  const inner = opEdges.filter(([a, b]) => blockOfOp[a] === blockOfOp[b]);
+  const local = longestPaths(plan.ops.length, inner);
+  const lane = new Array(plan.ops.length).fill(0);
+  for (const b of blocks) {
+    const used = new Map();
+    for (const id of b.members) {
+      const i = index.get(id);
+      lane[i] = used.get(local[i]) || 0;
+      used.set(local[i], lane[i] + 1);
+    }
+    b.w = (Math.max(...b.members.map((id) => local[index.get(id)])) + 1) * COL - (COL - NODE_W) + 2 * PAD;
+    b.h = Math.max(...used.values()) * ROW - (ROW - NODE_H) + 2 * PAD;
   }
-  return {index, pos};
+  const blockEdges = opEdges.map(([a, b]) => [blockOfOp[a], blockOfOp[b]]).filter(([a, b]) => a < b);
+  const level = longestPaths(blocks.length, blockEdges);
+  const columns = [];
+  blocks.forEach((b, i) => { (columns[level[i]] ||= []).push(b); });
+  const cols = columns.filter(Boolean).map((members) => ({
+    members, w: Math.max(...members.map((b) => b.w)),
+    h: members.reduce((sum, b) => sum + b.h + GAP / 2, 0),
+  }));
+  const totalW = cols.reduce((sum, c) => sum + c.w + GAP, 0);
+  const tallest = Math.max(...cols.map((c) => c.h));
+  const bandW = Math.max(Math.sqrt(aspect * totalW * (tallest + GAP)), ...cols.map((c) => c.w + GAP));
+  let x = 0, y = 0, bandH = 0;
+  for (const c of cols) {
+    if (x > 0 && x + c.w > bandW) { x = 0; y += bandH + GAP * 2; bandH = 0; }
+    let cy = y;
+    for (const b of c.members) { b.x = x; b.y = cy; cy += b.h + GAP / 2; }
+    bandH = Math.max(bandH, c.h);
+    x += c.w + GAP;
+  }
+  const pos = plan.ops.map((op, i) => {
+    const b = blocks[blockOfOp[i]];
+    return {x: b.x + PAD + local[i] * COL, y: b.y + PAD + lane[i] * ROW};
+  });
+  return {index, pos, blocks, width: Math.max(...blocks.map((b) => b.x + b.w)) + PAD,
+          height: Math.max(...blocks.map((b) => b.y + b.h)) + PAD};
 }
 
 function drawGraph(plan, host) {
   const started = performance.now();
-  const {index, pos} = layout(plan);
-  const width = Math.max(...pos.map((p) => p.x)) + NODE_W + PAD * 3;
-  const height = Math.max(...pos.map((p) => p.y)) + NODE_H + PAD * 3;
+  const aspect = host.clientWidth / Math.max(host.clientHeight, 1);
+  const {index, pos, blocks, width, height} = layout(plan, aspect);
   const root = svg("svg", {class: "plan", viewBox: `0 0 ${width} ${height}`,
                            preserveAspectRatio: "xMinYMin meet"});
   const groups = svg("g", {class: "blocks"}, root);
   const lines = svg("g", {class: "edges"}, root);
   const nodes = svg("g", {class: "ops"}, root);
   const blockOf = new Map(plan.blocks.map((b) => [b.id, b]));
-  for (const block of plan.blocks) {
-    const members = block.ops.map((id) => pos[index.get(id)]).filter(Boolean);
-    if (!members.length) continue;
-    const x0 = Math.min(...members.map((p) => p.x)) - PAD, y0 = Math.min(...members.map((p) => p.y)) - PAD;
-    const x1 = Math.max(...members.map((p) => p.x)) + NODE_W + PAD;
-    const y1 = Math.max(...members.map((p) => p.y)) + NODE_H + PAD;
-    const rect = svg("rect", {x: x0, y: y0, width: x1 - x0, height: y1 - y0, rx: 6,
+  for (const block of blocks) {
+    const rect = svg("rect", {x: block.x, y: block.y, width: block.w, height: block.h, rx: 6,
                               fill: MAPPING_COLOURS[block.mapping] || "#999",
                               class: block.view ? "block view" : "block", "data-block": block.id},
                      groups);
+    if (!blockOf.has(block.id)) rect.setAttribute("class", "loose");
     svg("title", {}, rect).textContent =
       `${block.id} ${block.name}: ${block.mapping}${block.anchor ? `, anchor ${block.anchor}` : ""}` +
       `${block.view ? " (view)" : ""}, ${block.ops.length} ops`;
@@ -167,8 +202,9 @@ function drawGraph(plan, host) {
   for (const e of plan.edges) {
     const a = pos[index.get(e.from)], b = pos[index.get(e.to)];
     if (!a || !b) continue;
+    const far = Math.abs(a.y - b.y) > 3 * ROW ? " far" : "";  // between bands: kept faint
     svg("line", {x1: a.x + NODE_W, y1: a.y + NODE_H / 2, x2: b.x, y2: b.y + NODE_H / 2,
-                 class: e.internal ? "edge internal" : "edge"}, lines);
+                 class: (e.internal ? "edge internal" : "edge") + far}, lines);
   }
   plan.ops.forEach((op, i) => {
     const g = svg("g", {class: "op", transform: `translate(${pos[i].x},${pos[i].y})`,
@@ -213,12 +249,8 @@ function legend(plan) {
 function setView(root, v) { root.setAttribute("viewBox", `${v.x} ${v.y} ${v.w} ${v.h}`); }
 
 function fit(root, v, host) {
-  // Show the whole height of the graph, and as many columns as the panel's shape allows.
-  // A small graph is shown at its own size, never blown up.
-  const aspect = host.clientWidth / Math.max(host.clientHeight, 1);
-  v.x = 0; v.y = 0; v.h = v.full.h; v.w = Math.min(v.full.w, v.full.h * aspect);
-  if (v.w < v.full.w && v.full.w / v.full.h < 8 * aspect) { v.w = v.full.w; v.h = v.w / aspect; }
-  if (v.w < host.clientWidth) { v.w = host.clientWidth; v.h = host.clientHeight; }
+  // The whole plan; a small one at its own size, never blown up.
+  v.x = 0; v.y = 0; v.w = Math.max(v.full.w, host.clientWidth); v.h = Math.max(v.full.h, host.clientHeight);
   setView(root, v);
 }
 
