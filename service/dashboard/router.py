@@ -152,7 +152,7 @@ async def signin(request: Request):
 
 @router.post("/signout")
 async def signout(request: Request):
-    session = _session(request)
+    session = await run_in_threadpool(_session, request)
     auth.check_csrf(session, request, await auth.read_form(request))
     await run_in_threadpool(auth.sign_out, _db(request), request)
     response = RedirectResponse("/signin", status_code=303)
@@ -195,7 +195,7 @@ def jobs_page(request: Request, state: str | None = None, q: str | None = None):
 async def jobs_events(request: Request):
     """One server-sent event stream per tenant: `event: job` with a job's id, state, stage and
     progress whenever one of the tenant's 200 latest jobs changes (or appears)."""
-    session = _session(request)
+    session = await run_in_threadpool(_session, request)
     db, settings = _db(request), request.app.state.settings
 
     def snapshot() -> dict[str, dict[str, Any]]:
@@ -229,7 +229,7 @@ async def upload(request: Request, filename: str = "model.onnx", target: str = "
                  partitioner: str = "dnnfusion"):
     """The upload form's script sends the file as the raw body; a model and a job are made as
     `POST /v1/models` and `POST /v1/jobs` would. JSON: {job_id} or {detail}."""
-    session = _session(request)
+    session = await run_in_threadpool(_session, request)
     auth.check_csrf(session, request)
     db, storage, settings = _db(request), request.app.state.storage, request.app.state.settings
     try:
@@ -261,7 +261,7 @@ async def upload(request: Request, filename: str = "model.onnx", target: str = "
 
 @router.post("/jobs/{job_id}/cancel")
 async def cancel(request: Request, job_id: str):
-    session = _session(request)
+    session = await run_in_threadpool(_session, request)
     auth.check_csrf(session, request, await auth.read_form(request))
     try:
         _job, stopped = await run_in_threadpool(jobs.cancel, _db(request), session.tenant_id,
@@ -314,7 +314,7 @@ def job_page(request: Request, job_id: str, profile_error: str | None = None):
 
 @router.post("/jobs/{job_id}/profile")
 async def profile(request: Request, job_id: str):
-    session = _session(request)
+    session = await run_in_threadpool(_session, request)
     form = await auth.read_form(request)
     auth.check_csrf(session, request, form)
     db, storage = _db(request), request.app.state.storage
