@@ -9,10 +9,7 @@ tests/artifacts/screenshots/ (git-ignored).
 from __future__ import annotations
 
 import shutil
-import subprocess
 import sys
-import time
-from pathlib import Path
 
 import httpx
 import onnx
