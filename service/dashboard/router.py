@@ -226,14 +226,24 @@ async def jobs_events(request: Request):
 
 @router.post("/jobs/upload")
 async def upload(request: Request, filename: str = "model.onnx", target: str = "host",
-                 partitioner: str = "dnnfusion"):
+                 partitioner: str = "dnnfusion", shapes: str = ""):
     """The upload form's script sends the file as the raw body; a model and a job are made as
-    `POST /v1/models` and `POST /v1/jobs` would. JSON: {job_id} or {detail}."""
+    `POST /v1/models` and `POST /v1/jobs` would. `shapes`: `name=1,128 other=1,128`, for inputs
+    with symbolic dimensions. JSON: {job_id} or {detail}."""
+    from kiln.errors import KilnError
+    from kiln.frontend import parse_shape_arg
+
     session = await run_in_threadpool(_session, request)
     auth.check_csrf(session, request)
     db, storage, settings = _db(request), request.app.state.storage, request.app.state.settings
     try:
-        body = JobCreate(model_id="pending", target=target, partitioner=partitioner)
+        try:
+            given = dict(parse_shape_arg(part) for part in shapes.split())
+        except KilnError as exc:
+            raise APIError(422, "Unprocessable Content",
+                           str(exc).replace("--shape", "shapes")) from None
+        body = JobCreate(model_id="pending", target=target, partitioner=partitioner,
+                         shapes={k: list(v) for k, v in given.items()})
         upload_ = await models.receive(request.stream(), storage, settings.max_upload_bytes,
                                        filename)
         try:

@@ -269,10 +269,12 @@ def _job_of(db: Database, tenant_id: str, job_id: str) -> Job:
 # --- the worker's side ---------------------------------------------------------------------------
 
 def claim_for_worker(db: Database, run_id: str) -> ProfileRun | None:
+    """The run, now running, unless it has finished. A running one is taken again: its message
+    comes back only when the worker that ran it died (or the broker gave up waiting for it)."""
     with db.write() as s:
         changed = s.execute(update(ProfileRun).where(
-            ProfileRun.id == run_id, ProfileRun.state == QUEUED, ProfileRun.via == WORKER)
-            .values(state=RUNNING)).rowcount
+            ProfileRun.id == run_id, ProfileRun.state.in_((QUEUED, RUNNING)),
+            ProfileRun.via == WORKER).values(state=RUNNING)).rowcount
         return s.get(ProfileRun, run_id) if changed else None
 
 

@@ -105,3 +105,31 @@ def test_sign_out_ends_the_session(site):
     out = client.post("/signout", data={"csrf": csrf_of(page.text)}, follow_redirects=False)
     assert out.status_code == 303
     assert client.get("/jobs", follow_redirects=False).status_code == 303
+
+
+def test_upload_needs_the_csrf_header_and_takes_shapes_for_symbolic_inputs(site):
+    import io
+
+    import onnx
+
+    from tests.service.conftest import add_model
+
+    client, _db, keys, dispatcher = site
+    sign_in(client, keys["acme"])
+    csrf = csrf_of(client.get("/jobs").text)
+    data = io.BytesIO()
+    onnx.save(add_model(symbolic=True), data)
+    body = data.getvalue()
+    raw = {"Content-Type": "application/octet-stream"}
+    assert client.post("/jobs/upload?filename=m.onnx", content=body, headers=raw).status_code == 403
+    headers = raw | {"X-CSRF-Token": csrf}
+    missing = client.post("/jobs/upload?filename=m.onnx", content=body, headers=headers)
+    assert missing.status_code == 422 and "'x' has symbolic dimension" in missing.json()["detail"]
+    bad = client.post("/jobs/upload", params={"shapes": "x=two"}, content=body, headers=headers)
+    assert bad.status_code == 422 and "shapes expects NAME=D0,D1" in bad.json()["detail"]
+    made = client.post("/jobs/upload", params={"filename": "m.onnx", "shapes": "x=3,4"},
+                       content=body, headers=headers)
+    assert made.status_code == 201, made.text
+    job = client.get(f"/v1/jobs/{made.json()['job_id']}",
+                     headers={"Authorization": f"Bearer {keys['acme']}"}).json()
+    assert job["shapes"] == {"x": [3, 4]} and dispatcher.enqueued == [job["id"]]

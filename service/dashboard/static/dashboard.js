@@ -61,6 +61,7 @@ function initJobs() {
     const params = new URLSearchParams({
       filename: file.name, target: document.getElementById("target").value,
       partitioner: document.getElementById("partitioner").value,
+      shapes: document.getElementById("shapes").value,
     });
     const reply = await fetch(`/jobs/upload?${params}`, {
       method: "POST", body: file, credentials: "same-origin",
