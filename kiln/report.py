@@ -36,7 +36,33 @@ def fusion_report(graph: Graph, plan: FusionPlan, seconds: dict[str, float],
         "seconds": {stage: round(s, 4) for stage, s in seconds.items()},
         "blocks": [{"id": b.id, "name": b.name, "ops": len(b.op_ids), "mapping": b.mapping.label,
                     "anchor": b.anchor} for b in plan.blocks],
+        "graph": plan_graph(plan),
     }
+
+
+def plan_graph(plan: FusionPlan) -> dict[str, Any]:
+    """The plan as a graph: ops (nodes) in blocks, the tensors between ops (edges; `internal` when
+    both ends are in one block, so no buffer holds it), every fusion decision with its reason, and
+    each block's kernel signature (the key of its profile entries; None for views) with the
+    canonical description it hashes."""
+    from kiln.signature import signed_description
+
+    graph = plan.graph
+    producer = {t: op.id for op in graph.ops for t in op.outputs}
+    ops = [{"id": op.id, "type": op.op_type, "name": op.source_name, "mapping": op.mapping.label,
+            "block": plan.block_of.get(op.id)} for op in graph.ops]
+    edges = [{"from": producer[t], "to": op.id, "tensor": t, "bytes": graph.tensors[t].nbytes,
+              "internal": plan.block_of.get(producer[t]) == plan.block_of.get(op.id)}
+             for op in graph.ops for t in dict.fromkeys(op.present_inputs()) if t in producer]
+    blocks = []
+    for b in plan.blocks:
+        signature, description = (None, None) if b.is_view else signed_description(graph, b.op_ids)
+        blocks.append({"id": b.id, "name": b.name, "mapping": b.mapping.label, "anchor": b.anchor,
+                       "view": b.is_view, "ops": list(b.op_ids), "signature": signature,
+                       "description": description})
+    decisions = [{"first": d.first, "second": d.second, "fused": d.fused, "reason": d.reason}
+                 for d in plan.decisions]
+    return {"ops": ops, "edges": edges, "blocks": blocks, "decisions": decisions}
 
 
 def format_report(report: dict[str, Any]) -> str:

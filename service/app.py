@@ -36,7 +36,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     settings = settings or Settings()
     app = FastAPI(title="Kiln compilation service", version=API_VERSION, description=DESCRIPTION,
-                  openapi_url="/v1/openapi.json", docs_url="/v1/docs", redoc_url=None)
+                  openapi_url="/v1/openapi.json", docs_url=None, redoc_url=None)
     app.state.settings = settings
     app.state.db = database(settings.database_url)
     app.state.storage = Storage(settings.storage_root)
@@ -51,6 +51,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(models_router)
     app.include_router(jobs_router)
     app.include_router(agents_router)
+    from service.devices.farm_router import router as devices_router
+    from service.profiles.router import router as profiles_router
+
+    app.include_router(devices_router)
+    app.include_router(profiles_router)
+    from service.dashboard import docs
+    from service.dashboard import router as dashboard
+
+    docs.install(app)
+    dashboard.install(app)
     install_body_limit(app)
 
     @app.get("/v1/health", response_model=Health, tags=["service"], summary="Liveness")

@@ -174,6 +174,27 @@ class KilnClient:
             if job["state"] in TERMINAL:
                 return job
 
+    def profile(self, job_id: str, device: str = "", runs: int = 20, warmup: int = 3,
+                repeats: int = 3) -> dict[str, Any]:
+        """Start a profile job: run the job's artifact on a device matching `device`."""
+        body = {"device": device, "runs": runs, "warmup": warmup, "repeats": repeats}
+        return self._check(self.http.post(f"/v1/jobs/{job_id}/profile", json=body)).json()
+
+    def profile_run(self, job_id: str, run_id: str) -> dict[str, Any]:
+        return self._check(self.http.get(f"/v1/jobs/{job_id}/profile/{run_id}")).json()
+
+    def wait_profile(self, job_id: str, run_id: str, timeout: float | None = None,
+                     poll: float = 0.5) -> dict[str, Any]:
+        """Poll a profile run until it has succeeded or failed; return it."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            run = self.profile_run(job_id, run_id)
+            if run["state"] in ("succeeded", "failed"):
+                return run
+            if deadline and time.monotonic() > deadline:
+                raise TimeoutError(f"profile run {run_id} did not finish in {timeout} s")
+            time.sleep(poll)
+
     def download_artifact(self, job_id: str, dest: str | Path) -> Path:
         """Stream the artifact to `dest` (written under a temporary name, then renamed)."""
         dest = Path(dest)

@@ -61,6 +61,7 @@ def new_id() -> str:
 
 def load_tables() -> MetaData:
     """Import every domain's tables; return the metadata that holds them."""
+    from service.dashboard import tables as _dashboard  # noqa: F401
     from service.devices import tables as _devices  # noqa: F401
     from service.jobs import tables as _jobs  # noqa: F401
     from service.limits import tables as _limits  # noqa: F401

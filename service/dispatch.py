@@ -15,6 +15,10 @@ class Dispatcher:
     def enqueue(self, job_id: str) -> None:
         protocol.send_compile(self.celery, protocol.CompileMessage(job_id=job_id))
 
+    def enqueue_profile(self, run_id: str) -> None:
+        """Send a profile run to a worker (workers.profile_jobs)."""
+        protocol.send_profile(self.celery, protocol.ProfileMessage(run_id=run_id))
+
     def revoke(self, job_id: str) -> None:
         """Tell workers to drop the job's message (best effort: the database already says so)."""
         try:

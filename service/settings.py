@@ -33,6 +33,9 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = 8000
 
+    cookie_secure: bool = Field(True, description=(
+        "the dashboard's session cookie is Secure (browsers send it over HTTPS and to "
+        "localhost only); turn off only behind a trusted plain-HTTP proxy"))
     max_upload_bytes: int = Field(256 << 20, gt=0, description="largest accepted ONNX upload")
     default_target: str = "host"
     default_partitioner: str = "dnnfusion"

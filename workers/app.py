@@ -8,9 +8,9 @@ from celery.signals import worker_ready
 
 from service.settings import get_settings
 from workers.config import make_celery
-from workers.protocol import COMPILE_TASK, QUEUE
+from workers.protocol import COMPILE_TASK, PROFILE_TASK, QUEUE
 
-__all__ = ["app", "COMPILE_TASK", "QUEUE"]
+__all__ = ["app", "COMPILE_TASK", "PROFILE_TASK", "QUEUE"]
 
 app = make_celery(get_settings())
 

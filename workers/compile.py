@@ -22,6 +22,7 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 
 from service.db import Database
 from service.jobs import lifecycle
+from service.profiles.lookups import LookupRecorder, save_compile, without_graph
 from service.settings import Settings
 from service.storage import Storage, file_sha256
 from workers import sandbox
@@ -135,7 +136,8 @@ def compile_in_child(request: CompileRequest, reporter: sandbox.Reporter) -> dic
     settings, claim, events = request.settings, request.claim, CompileEvents(reporter)
     try:
         storage = Storage(settings.storage_root)
-        store = profile_store(settings, database(settings.database_url), storage, claim.target)
+        store = LookupRecorder(profile_store(settings, database(settings.database_url), storage,
+                                             claim.target))
         report = pipeline.compile_artifact(request.model, request.out, compile_options(claim),
                                            store, on_stage=events.stage,
                                            on_progress=events.progress)
@@ -145,9 +147,9 @@ def compile_in_child(request: CompileRequest, reporter: sandbox.Reporter) -> dic
         raise sandbox.WorkError("model", str(exc)) from None
     except TRANSIENT as exc:
         raise sandbox.WorkError("transient", f"{type(exc).__name__}: {exc}") from None
-    if hasattr(store, "stats"):
+    if hasattr(store.inner, "stats"):
         report = report | {"profile_answers": store.stats()}
-    return report
+    return report | {"profile_lookups": store.lookups}
 
 
 def compile_limits(settings: Settings, claim: lifecycle.Claim) -> sandbox.Limits:
@@ -246,10 +248,13 @@ def run_job(settings: Settings, db: Database, job_id: str, worker: str,
             raise JobAborted(job_id) from None
         if "profile_answers" in report:
             log.info("job %s: profile answers %s", job_id, report.pop("profile_answers"))
+        lookups = report.pop("profile_lookups")
         seconds = recorder.seconds()
         if beat.lost.is_set():
             raise JobAborted(job_id)
-        if lifecycle.succeed(db, storage, claim, built, report, seconds, file_sha256(built)):
+        save_compile(db, job_id, report, lookups)  # before the job reads as succeeded
+        if lifecycle.succeed(db, storage, claim, built, without_graph(report), seconds,
+                             file_sha256(built)):
             return "succeeded"
         return "aborted"
     except JobAborted:

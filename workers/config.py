@@ -17,9 +17,9 @@ from __future__ import annotations
 from celery import Celery
 
 from service.settings import Settings
-from workers.protocol import COMPILE_TASK, QUEUE, broker_app
+from workers.protocol import COMPILE_TASK, PROFILE_TASK, QUEUE, broker_app
 
-__all__ = ["COMPILE_TASK", "QUEUE", "make_celery"]
+__all__ = ["COMPILE_TASK", "PROFILE_TASK", "QUEUE", "make_celery"]
 
 
 def make_celery(settings: Settings) -> Celery:
@@ -31,7 +31,7 @@ def make_celery(settings: Settings) -> Celery:
         worker_concurrency=settings.worker_concurrency,
         worker_hijack_root_logger=False,
         worker_send_task_events=False,
-        include=["workers.tasks"],
+        include=["workers.tasks", "workers.profile_jobs"],
     )
     app.kiln_settings = settings
     return app

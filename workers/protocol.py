@@ -20,6 +20,7 @@ from workers import broker
 
 QUEUE = "kiln"
 COMPILE_TASK = "kiln.compile"
+PROFILE_TASK = "kiln.profile"  # one profile run (workers.profile_jobs), task id profile-<run id>
 SEND_RETRY = {"max_retries": 3, "interval_start": 0.2, "interval_step": 0.5, "interval_max": 2}
 
 
@@ -65,3 +66,16 @@ def broker_app(settings: Settings) -> Celery:
 def send_compile(app: Celery, message: CompileMessage) -> None:
     app.send_task(COMPILE_TASK, kwargs=message.model_dump(), task_id=message.job_id, queue=QUEUE,
                   retry=True, retry_policy=SEND_RETRY)
+
+
+class ProfileMessage(BaseModel):
+    """Run profile run `run_id` on the worker's own CPU (everything else is read from the database)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    run_id: str = Field(min_length=1, max_length=32)
+
+
+def send_profile(app: Celery, message: ProfileMessage) -> None:
+    app.send_task(PROFILE_TASK, kwargs=message.model_dump(), task_id=f"profile-{message.run_id}",
+                  queue=QUEUE, retry=True, retry_policy=SEND_RETRY)

@@ -1,7 +1,7 @@
 """jobs: progress within a stage (step_done, step_total, step_text)
 
 Revision ID: 0006
-Revises: 0004
+Revises: 0005
 Create Date: 2026-11-24 15:00:00
 
 What a long stage is doing, as the compiler reports it ("measuring kernel 12/38"): all three
@@ -18,7 +18,7 @@ import service.db  # noqa: F401  (the template's import, kept for uniformity)
 
 
 revision: str = '0006'
-down_revision: str | None = '0004'
+down_revision: str | None = '0005'
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

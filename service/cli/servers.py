@@ -171,6 +171,8 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         print(f"kiln serve: {settings.api_url} (data in {settings.data_dir}; API key in "
               f"{settings.api_key_file})", file=sys.stderr, flush=True)
+        print(f"kiln serve: dashboard at {settings.api_url}/ (sign in with that API key)",
+              file=sys.stderr, flush=True)
         _uvicorn_server(create_app(settings), settings).run()
     finally:
         supervisor.stop()
@@ -204,6 +206,8 @@ def _start_detached(args: argparse.Namespace, settings) -> int:
         return 1
     print(f"kiln serve: running at {settings.api_url} (pid {process.pid}, log {log}); "
           f"stop it with `{stop_hint}`")
+    print(f"kiln serve: dashboard at {settings.api_url}/ (sign in with the API key in "
+          f"{settings.api_key_file})")
     return 0
 
 

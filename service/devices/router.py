@@ -97,8 +97,8 @@ def artifact(task_id: str, agent: AgentId, db: DB, storage: Store) -> FileRespon
 
 
 @router.post("/results", summary="The result of a claimed task")
-def results(body: p.ResultUpload, agent: AgentId, db: DB) -> p.ResultAck:
-    _call(service.submit_result, db, agent, body)
+def results(body: p.ResultUpload, agent: AgentId, db: DB, storage: Store) -> p.ResultAck:
+    _call(service.submit_result, db, agent, body, storage)
     return p.ResultAck()
 
 

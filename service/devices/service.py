@@ -262,8 +262,13 @@ def entries_of(task: MeasurementTask, body: p.ResultUpload) -> list[NewEntry]:
     return entries
 
 
-def submit_result(db: Database, agent_id: str, body: p.ResultUpload) -> int:
-    """Store a result of a task the device holds; the number of profile entries written."""
+def submit_result(db: Database, agent_id: str, body: p.ResultUpload, storage=None) -> int:
+    """Store a result of a task the device holds; the number of profile entries written.
+
+    A task of a profile job (service.profiles.runs) also ends its run; `storage` lets the run
+    read the artifact's memory plan."""
+    from service.profiles.runs import absorb_task_result
+
     now = utcnow()
     with db.write() as s:
         device = _device_of(s, agent_id, body.device_id)
@@ -279,6 +284,7 @@ def submit_result(db: Database, agent_id: str, body: p.ResultUpload) -> int:
             task.status, task.error, task.entries = DONE, None, written
         task.finished_at, task.lease_expires_at = now, None
         device.last_heartbeat_at = now
+        absorb_task_result(s, storage, task, device, body)
         return written
 
 
@@ -320,3 +326,32 @@ def online_devices(db: Database, arch: str | None = None,
         if fingerprint is not None:
             query = query.where(Device.fingerprint == fingerprint)
         return list(s.scalars(query.order_by(Device.last_heartbeat_at.desc())))
+
+
+# --- workers' own CPUs (profile jobs of host-target artifacts) ---------------------------------
+
+WORKERS_AGENT = "kiln-workers"
+
+
+def register_worker_device(db: Database, name: str, facts) -> Device:
+    """The worker's CPU as a device (transport `worker`) of the built-in agent `kiln-workers`,
+    whose token nobody holds; online now. `facts` is a device_agents.facts.HardwareFacts."""
+    now = utcnow()
+    with db.write() as s:
+        agent = s.scalars(select(Agent).where(Agent.name == WORKERS_AGENT)).first()
+        if agent is None:
+            agent = Agent(name=WORKERS_AGENT, token_prefix=secrets.token_hex(6),
+                          token_hash=hash_token(secrets.token_urlsafe(32)), version="worker")
+            s.add(agent)
+            s.flush()
+        device = s.scalars(select(Device).where(Device.agent_id == agent.id,
+                                                Device.name == name)).first()
+        if device is None:
+            device = Device(agent_id=agent.id, name=name, transport="worker", address="")
+            s.add(device)
+        device.kind, device.arch, device.fingerprint = facts.kind, facts.arch, facts.fingerprint
+        device.facts, device.emulated = facts.model_dump(mode="json"), facts.emulated
+        device.status, device.error, device.last_heartbeat_at = p.DeviceState.online.value, None, now
+        agent.last_seen_at = now
+        s.flush()
+        return device

@@ -1,0 +1,1 @@
+"""The web dashboard served at `/`: sign-in, jobs, devices, profiles (server-rendered)."""
