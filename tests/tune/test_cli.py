@@ -64,7 +64,8 @@ def test_progress_counts_every_measured_kernel(small_model, tmp_path):
     measured = report["tuning"]["measured"] + report["tuning"]["failed"]
     assert measured > 0
     assert [c[1] for c in tuning] == list(range(1, measured + 1))
-    assert {c[2] for c in tuning} == {measured}  # quick mode knows the total before measuring
+    assert all(done <= total for _, done, total, _ in tuning)
+    assert tuning[-1][2] == measured  # the estimated total ends exact
     assert all(isinstance(c[3], str) and c[3] for c in tuning)
     lookups = [c for c in calls if c[0] == "plan"]
     assert lookups and [c[1] for c in lookups] == list(range(1, len(lookups) + 1))
