@@ -29,7 +29,8 @@ def add_commands(commands) -> None:
     run.add_argument("artifact", help="a model.kiln file")
     run.add_argument("--inputs", required=True, metavar="IN.npz", help="arrays by input name")
     run.add_argument("--outputs", required=True, metavar="OUT.npz", help="write outputs here")
-    run.add_argument("--threads", type=_at_least(1), metavar="T")
+    run.add_argument("--threads", type=_at_least(0), metavar="T",
+                     help="threads (0: $KILN_NUM_THREADS, else OpenMP's default)")
     run.set_defaults(handler=_run)
 
     verify = commands.add_parser("verify", help="compare an artifact with onnxruntime")
@@ -39,7 +40,8 @@ def add_commands(commands) -> None:
     verify.add_argument("--shape", action="append", default=[], metavar="NAME=D0,D1,…",
                         help="input shapes the artifact was compiled with (default: its own)")
     verify.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
-    verify.add_argument("--threads", type=_at_least(1), metavar="T")
+    verify.add_argument("--threads", type=_at_least(0), metavar="T",
+                        help="threads (0: $KILN_NUM_THREADS, else OpenMP's default)")
     verify.set_defaults(handler=_verify)
 
     bench = commands.add_parser("bench", help="measure an artifact's latency with its runner")
@@ -47,7 +49,8 @@ def add_commands(commands) -> None:
     bench.add_argument("--runs", type=_at_least(1), default=20, metavar="N", help="timed runs")
     bench.add_argument("--warmup", type=_at_least(0), default=3, metavar="W",
                        help="untimed runs first")
-    bench.add_argument("--threads", type=_at_least(1), metavar="T")
+    bench.add_argument("--threads", type=_at_least(0), metavar="T",
+                       help="threads (0: $KILN_NUM_THREADS, else OpenMP's default)")
     bench.add_argument("--inputs", metavar="IN.npz", help="inputs (default: random ones)")
     bench.add_argument("--json", action="store_true", help="print the runner's JSON")
     bench.add_argument("--kernels", type=_at_least(0), default=0, metavar="K",

@@ -102,15 +102,22 @@ def check_budget(budget: float | None) -> float | None:
 
 
 class _Progress:
-    """Counts the kernels measured (or failed) for `on_progress`: `total` is what is planned so
-    far — every quick candidate up front, a full search's generations as they come."""
+    """Counts the kernels measured (or failed) for `on_progress`. `total` is an estimate that
+    ends exact: each batch adds its kernels before it is measured and withdraws those it ran out
+    of time for; quick mode also counts QUICK_MAX kernels for every group still to come, and
+    withdraws that guess as the group starts. (Generating every group's candidates first would
+    make the total exact from the start, but under a tight budget that time belongs to
+    measuring.)"""
 
     def __init__(self, on_progress: ProgressCallback | None):
         self.on_progress = on_progress
         self.done = self.total = 0
 
-    def expect(self, kernels: int) -> None:
-        self.total = max(self.total, self.done + kernels)
+    def add(self, kernels: int) -> None:
+        self.total += kernels
+
+    def withdraw(self, kernels: int) -> None:
+        self.total = max(self.done, self.total - kernels)
 
     def step(self, what: str) -> None:
         self.done += 1
@@ -150,13 +157,11 @@ def tune_plan(plan: FusionPlan, target: Target, store: ProfileStore, mode: str =
                 report["skipped"][group.blocks[0].name] = f"under {min_share:.2%} of the estimated time"
         groups = [g for g in groups if g.weight / total >= min_share]
         remaining_weight = sum(g.weight for g in groups)
-        tuners = {}
-        if mode == "quick":  # every group's candidates are known: count them all before measuring
-            tuners = {g.signature: _GroupTuner(plan, g, target, store, harness, threads, deadline,
-                                               progress) for g in groups}
-            progress.expect(sum(t.quick_pending() for t in tuners.values()))
+        guess = space.QUICK_MAX if mode == "quick" else 0
+        progress.add(guess * len(groups))
         for group in groups:
             name = group.blocks[0].name
+            progress.withdraw(guess)
             now = time.monotonic()
             if now >= deadline:
                 report["skipped"][name] = "budget spent"
@@ -164,8 +169,8 @@ def tune_plan(plan: FusionPlan, target: Target, store: ProfileStore, mode: str =
             share = (deadline - now) * group.weight / max(remaining_weight, 1e-30)
             remaining_weight -= group.weight
             group_deadline = deadline if mode == "quick" else min(deadline, now + max(share, 0.0))
-            tuner = tuners.get(group.signature) or _GroupTuner(
-                plan, group, target, store, harness, threads, group_deadline, progress)
+            tuner = _GroupTuner(plan, group, target, store, harness, threads, group_deadline,
+                                progress)
             entry = tuner.run(mode)
             report["measured"] += tuner.measured
             report["reused"] += tuner.reused
@@ -290,9 +295,11 @@ class _GroupTuner:
             batch[h] = (overrides, k)
         if not batch or time.monotonic() >= self.deadline:
             return
-        self.progress.expect(len(batch))
+        self.progress.add(len(batch))
         result = self.harness.measure([Candidate(h, k) for h, (_, k) in batch.items()],
                                       self.deadline)
+        self.progress.withdraw(sum(1 for h in batch  # out of time before their turn
+                                   if h not in result.samples and h not in result.failed))
         for h, (overrides, _) in batch.items():
             samples = result.samples.get(h, [])
             if len(samples) >= MIN_SAMPLES:
@@ -307,13 +314,6 @@ class _GroupTuner:
                 self.failed += 1
                 self.progress.step(f"{self.block.name} {json.dumps(overrides)}: failed: "
                                    f"{result.failed[h]}")
-
-    def quick_pending(self) -> int:
-        """Kernels `run("quick")` would measure: distinct quick candidates not in the store."""
-        quick = self.quick_candidates()
-        if len(quick) < 2:
-            return 0
-        return len({made[0] for o in quick if (made := self.kernel(o))} - set(self.known))
 
     def failures(self) -> list[dict[str, Any]]:
         """Why measurements failed, by schedule (the first MAX_FAILURES_KEPT)."""

@@ -157,7 +157,7 @@ def test_bench_prints_the_median(compiled, capsys):
 @pytest.mark.parametrize("flag, value, message", [
     ("--runs", "0", "argument --runs: must be at least 1, not 0"),
     ("--warmup", "-1", "argument --warmup: must be at least 0, not -1"),
-    ("--threads", "0", "argument --threads: must be at least 1, not 0"),
+    ("--threads", "-1", "argument --threads: must be at least 0, not -1"),
     ("--runs", "many", "argument --runs: must be an integer, not 'many'"),
 ])
 def test_bench_names_its_own_option_when_a_count_is_wrong(compiled, capsys, flag, value, message):
