@@ -47,3 +47,59 @@ def test_kiln_does_not_name_the_service_workers_or_agents_in_strings_or_type_imp
             found += [f"{path.relative_to(REPO)}:{node.lineno}: {text}" for text in texts
                       if ABOVE_KILN.search(text)]
     assert found == []
+
+
+def _module_cycles(graph, ignored) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles = []
+    for root in sorted(graph.modules):
+        if root in index:
+            continue
+        work = [(root, None)]
+        while work:
+            module, edges = work.pop()
+            if edges is None:
+                index[module] = low[module] = len(index)
+                stack.append(module)
+                on_stack.add(module)
+                edges = iter(sorted(m for m in graph.find_modules_directly_imported_by(module)
+                                    if not ignored(module, m)))
+            for child in edges:
+                if child not in index:
+                    work += [(module, edges), (child, None)]
+                    break
+                if child in on_stack:
+                    low[module] = min(low[module], index[child])
+            else:
+                if work:
+                    parent = work[-1][0]
+                    low[parent] = min(low[parent], low[module])
+                if low[module] == index[module]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == module:
+                            break
+                    if len(component) > 1:
+                        cycles.append(sorted(component))
+    return cycles
+
+
+def _allowed(importer: str, imported: str) -> bool:
+    """The SQLAlchemy table registry (service.db loads every domain's tables), and a package
+    importing its own modules to register them (kiln.plan its partitioners, kiln.ops its table)."""
+    if importer == "service.db" and imported.startswith("service.") and imported.endswith(".tables"):
+        return True
+    return imported.startswith(importer + ".")
+
+
+def test_no_module_import_cycles():
+    grimp = pytest.importorskip("grimp")
+    graph = grimp.build_graph("kiln", "service", "workers", "device_agents", cache_dir=None)
+    assert _module_cycles(graph, _allowed) == []

@@ -5,6 +5,7 @@ revoked token gets 401 problem+json before the body is looked at, so nothing is 
 """
 from __future__ import annotations
 
+import functools
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
@@ -14,6 +15,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from device_agents import protocol as p
 from service.deps import DB, Config, Store
 from service.devices import service
+from service.profiles import runs
 from service.problems import PROBLEM_RESPONSES, APIError
 
 MAX_BODY_BYTES = 64 << 20  # a result at the protocol's limits fits with room to spare
@@ -98,7 +100,8 @@ def artifact(task_id: str, agent: AgentId, db: DB, storage: Store) -> FileRespon
 
 @router.post("/results", summary="The result of a claimed task")
 def results(body: p.ResultUpload, agent: AgentId, db: DB, storage: Store) -> p.ResultAck:
-    _call(service.submit_result, db, agent, body, storage)
+    _call(service.submit_result, db, agent, body,
+          functools.partial(runs.absorb_task_result, storage=storage))
     return p.ResultAck()
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -24,6 +24,9 @@ from device_agents import protocol as p
 from service.db import Database, utcnow
 from service.devices.tables import Agent, Device, MeasurementTask
 from service.profiles.service import NewEntry, ProfileError, summarize, upsert_entries
+
+# What a finished task sets off in submit_result's transaction: (session, task, device, result).
+TaskFinished = Callable[[Session, MeasurementTask, Device, p.ResultUpload], None]
 
 TOKEN_PREFIX = "kagent_"
 QUEUED, CLAIMED, DONE, FAILED, EXPIRED = "queued", "claimed", "done", "failed", "expired"
@@ -262,13 +265,12 @@ def entries_of(task: MeasurementTask, body: p.ResultUpload) -> list[NewEntry]:
     return entries
 
 
-def submit_result(db: Database, agent_id: str, body: p.ResultUpload, storage=None) -> int:
+def submit_result(db: Database, agent_id: str, body: p.ResultUpload,
+                  on_finished: TaskFinished | None = None) -> int:
     """Store a result of a task the device holds; the number of profile entries written.
 
-    A task of a profile job (service.profiles.runs) also ends its run; `storage` lets the run
-    read the artifact's memory plan."""
-    from service.profiles.runs import absorb_task_result
-
+    `on_finished(session, task, device, body)` runs in the same transaction once the task is
+    done or failed (a profile job's run ends with its task: service.profiles.runs)."""
     now = utcnow()
     with db.write() as s:
         device = _device_of(s, agent_id, body.device_id)
@@ -284,7 +286,8 @@ def submit_result(db: Database, agent_id: str, body: p.ResultUpload, storage=Non
             task.status, task.error, task.entries = DONE, None, written
         task.finished_at, task.lease_expires_at = now, None
         device.last_heartbeat_at = now
-        absorb_task_result(s, storage, task, device, body)
+        if on_finished is not None:
+            on_finished(s, task, device, body)
         return written
 
 

@@ -198,8 +198,8 @@ def result_of(manifest: dict[str, Any], kernels: list[dict[str, Any]],
             "emulated": emulated}
 
 
-def absorb_task_result(s: Session, storage: Storage | None, task: MeasurementTask,
-                       device: Device, body: p.ResultUpload) -> None:
+def absorb_task_result(s: Session, task: MeasurementTask, device: Device,
+                       body: p.ResultUpload, storage: Storage | None = None) -> None:
     """In submit_result's transaction: a finished task that belongs to a profile run ends it."""
     run = s.scalars(select(ProfileRun).where(ProfileRun.task_id == task.id)).first()
     if run is None:
