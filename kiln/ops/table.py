@@ -10,6 +10,7 @@ record per op.
 from __future__ import annotations
 
 import math
+from types import MappingProxyType
 
 import numpy as np
 import onnx
@@ -526,7 +527,7 @@ def _record(name: str, mapping: MappingRule, flops: FlopRule) -> OpInfo:
         gather_indices=_GATHER_INDICES.get(name),
         symmetric=name in _SYMMETRIC,
         properties=_PROPERTIES.get(name, frozenset()),
-        string_attrs=_STRING_ATTRS.get(name, {}),
+        string_attrs=MappingProxyType(_STRING_ATTRS.get(name, {})),
         shape_rule=_SHAPE_RULES.get(name, ShapeRule.ONNX),
         attributes_now_inputs=_ATTRIBUTES_NOW_INPUTS.get(name, ()),
         in_paper=name in _IN_PAPER,
