@@ -36,7 +36,8 @@ def create_job(body: JobCreate, request: Request, response: Response, tenant: Te
                    description="repeating a request with the same key returns the job it made "
                    "(per tenant); the same key with another request is a 422")] = None):
     """Queue a compile of one of your models; follow it at `links.events` or `links.self`."""
-    job, created = service.create(db, tenant, body, idempotency_key, settings.max_active_jobs)
+    job, created = service.create_once(db, tenant, body, idempotency_key,
+                                        settings.max_active_jobs)
     response.headers["Location"] = f"/v1/jobs/{job.id}"
     if not created:
         response.headers["Idempotent-Replayed"] = "true"

@@ -43,8 +43,13 @@ def check_shapes(inputs: list[dict[str, Any]], shapes: dict[str, list[int]]) -> 
                            f"`shapes`")
 
 
-def create(db: Database, tenant_id: str, request: JobCreate, idempotency_key: str | None = None,
-           max_active: int = 0) -> tuple[Job, bool]:
+def create(db: Database, tenant_id: str, request: JobCreate, max_active: int = 0) -> Job:
+    """Add a queued job (429 when the tenant has `max_active` unfinished ones; 0: no cap)."""
+    return create_once(db, tenant_id, request, None, max_active)[0]
+
+
+def create_once(db: Database, tenant_id: str, request: JobCreate, idempotency_key: str | None,
+                max_active: int = 0) -> tuple[Job, bool]:
     """Add a queued job; (job, created). With an Idempotency-Key the tenant already used for the
     same request, that job instead (created False); for another request, 422. 429 when the
     tenant has `max_active` queued or running jobs (0: no cap)."""
