@@ -3,14 +3,15 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Depends, Query
 
-from service.deps import DB, Tenant
+from service.deps import DB, Tenant, rate_limited
 from service.devices import farm
 from service.devices import selector as sel
 from service.problems import PROBLEM_RESPONSES, APIError
 
-router = APIRouter(prefix="/v1/devices", tags=["devices"], responses=PROBLEM_RESPONSES)
+router = APIRouter(prefix="/v1/devices", tags=["devices"], responses=PROBLEM_RESPONSES,
+                   dependencies=[Depends(rate_limited)])
 
 
 def parse_selector(device: str | None, **params) -> sel.Selector:

@@ -3,14 +3,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Query, Request, Response
+from fastapi import APIRouter, Depends, Query, Request, Response
 
-from service.deps import DB, Store, Tenant
+from service.deps import DB, Store, Tenant, rate_limited
 from service.devices.farm_router import parse_selector
 from service.problems import PROBLEM_RESPONSES, APIError
 from service.profiles import library, runs
 
-router = APIRouter(tags=["profiles"], responses=PROBLEM_RESPONSES)
+router = APIRouter(tags=["profiles"], responses=PROBLEM_RESPONSES,
+                   dependencies=[Depends(rate_limited)])
 _CONFLICT = {409: PROBLEM_RESPONSES[422] | {"description": "not possible in the job's state"}}
 
 
