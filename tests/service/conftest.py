@@ -30,6 +30,11 @@ class RecordingDispatcher:
             raise ConnectionError("broker down")
         self.enqueued.append(job_id)
 
+    def enqueue_profile(self, run_id: str) -> None:
+        if self.fail:
+            raise ConnectionError("broker down")
+        self.enqueued.append(f"profile-{run_id}")
+
     def revoke(self, job_id: str) -> None:
         self.revoked.append(job_id)
 
