@@ -20,9 +20,9 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from kiln.codegen import Kernel
 from kiln.codegen.emit_c import CEmitter
 from kiln.codegen.expr import DTYPES
+from kiln.codegen.kernel import Kernel
 from kiln.codegen.lower import BlockLowering
 from kiln.codegen.ops import registered
 from kiln.codegen.schedule import DEFAULT_SCHEDULE, Schedule

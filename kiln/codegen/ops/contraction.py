@@ -53,8 +53,8 @@ from kiln.codegen.expr import (
     var,
 )
 from kiln.codegen.indexing import Index, broadcast
-from kiln.codegen.lower import StageCtx
-from kiln.codegen.ops import stage
+from kiln.codegen.contexts import StageCtx
+from kiln.codegen.ops.registry import stage
 
 AOperand = Callable[[Index, Expr, Expr], Expr]  # (A-batch index, i, k) -> value
 BOperand = Callable[[Index, Expr, Expr], Expr]  # (B-batch index, k, j) -> value

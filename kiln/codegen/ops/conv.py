@@ -48,8 +48,8 @@ from kiln.codegen.expr import (
     sub,
 )
 from kiln.codegen.indexing import Index
-from kiln.codegen.lower import InlineCtx, StageCtx
-from kiln.codegen.ops import inline, stage
+from kiln.codegen.contexts import InlineCtx, StageCtx
+from kiln.codegen.ops.registry import inline, stage
 from kiln.codegen.ops.contraction import Contraction, contraction
 from kiln.ecg import Graph, Op
 
