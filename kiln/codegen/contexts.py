@@ -187,7 +187,7 @@ class StageCtx(OpAccess):
         store = ir.Store(name, q, self.builder.value(tensor, Index(t.shape, flat=q)))
         self.stage(f"pack {tensor} for {self.op.id}",
                    [ir.Loop(q, iconst(0), iconst(t.numel), [store], parallel=1, simd=True,
-                            omp_schedule="chunked")], t.numel)
+                            grain="chunks")], t.numel)
         return lambda index: load(name, t.dtype, index.flat)
 
     # names and memory

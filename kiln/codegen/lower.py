@@ -192,7 +192,7 @@ class RowStage:
         if row_stores:
             body.append(ir.Loop(r, iconst(0), iconst(self.view.reduced), row_stores, simd=True))
         loop = ir.Loop(self.o, iconst(0), iconst(self.view.outer), body, parallel=1,
-                       omp_schedule="chunked")
+                       grain="chunks")
         kinds = "+".join(dict.fromkeys(op.op_type for op in self.ops))
         work = self.view.outer * self.view.reduced * (self.phases + 1)
         low.add_stage(f"row stage: {kinds} ({', '.join(op.id for op in self.ops)})", [loop], work)
@@ -330,7 +330,7 @@ class BlockLowering:
         builder = Builder(self)
         stores = [ir.Store(t, i, builder.value(t, Index(shape, flat=i))) for t in tensors]
         loop = ir.Loop(i, iconst(0), iconst(numel), stores, parallel=1, simd=True,
-                       omp_schedule="chunked")
+                       grain="chunks")
         self.add_stage(f"elementwise: {', '.join(tensors)}", [loop], numel)
         self._mark_ready()
 

@@ -1,4 +1,4 @@
-"""Compiling and linking generated C for a target, with objects cached by content hash.
+"""Compiling and linking generated sources for a target with its backend's toolchain, with objects cached by content hash.
 
 An object's key is the SHA-256 of (source, compiler command, flags, `compiler --version`); it
 is stored as `<cache>/<key[:2]>/<key>.o` next to its source, both written through a temporary
@@ -23,12 +23,11 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+from kiln.codegen.backend import Toolchain, backend_for
 from kiln.errors import KilnError
 from kiln.profile.machine import cache_dir
 from kiln.target import Target
 
-BASE_FLAGS = ("-O3", "-fopenmp", "-fPIC", "-fno-math-errno")  # errno-free sqrt etc. vectorise
-LIBS = ("-lm",)
 STDERR_LINES = 20
 # A build (every compile and link of an artifact) may take BUILD_BASE_S plus BUILD_S_PER_KB per
 # KiB of C source: gcc at -O3 compiles generated kernels at well over 1 KiB/s even on a loaded
@@ -49,6 +48,8 @@ class Compiler:
     flags: tuple[str, ...]
     version: str  # first line of `--version`
     arch: str
+    link_flags: tuple[str, ...] = ()  # the backend's, for both links
+    libraries: tuple[str, ...] = ()
 
     def key(self, source: str) -> str:
         text = json.dumps([source, self.command, self.flags, self.version])
@@ -56,11 +57,12 @@ class Compiler:
 
 
 def compiler_for(target: Target) -> Compiler:
-    return _compiler(target.cc, target.cflags, target.arch)
+    """The compiler of the target's backend toolchain, with the target's ISA flags."""
+    return _compiler(target.cc, target.cflags, target.arch, backend_for(target).toolchain)
 
 
 @cache
-def _compiler(cc: str, cflags: tuple[str, ...], arch: str) -> Compiler:
+def _compiler(cc: str, cflags: tuple[str, ...], arch: str, toolchain: Toolchain) -> Compiler:
     command = shutil.which(cc)
     if command is None:
         package = CROSS_PACKAGES.get(arch, "gcc")
@@ -70,7 +72,8 @@ def _compiler(cc: str, cflags: tuple[str, ...], arch: str) -> Compiler:
     if not machine.startswith(arch):
         raise ToolchainError(f"C compiler {cc!r} builds for {machine}, not for {arch}")
     version = _output([command, "--version"]).splitlines()[0]
-    return Compiler(command, BASE_FLAGS + tuple(cflags), version, arch)
+    return Compiler(command, toolchain.compile_flags + tuple(cflags), version, arch,
+                    toolchain.link_flags, toolchain.libraries)
 
 
 def _output(argv: Sequence[str]) -> str:
@@ -138,15 +141,16 @@ class BuildCache:
 
 def link_shared(compiler: Compiler, objects: Sequence[Path], out: Path,
                 deadline: float | None = None) -> None:
-    run_tool([compiler.command, "-shared", "-fopenmp", "-Wl,-Bsymbolic", *map(str, objects), *LIBS,
-              "-o", str(out)],
+    run_tool([compiler.command, "-shared", *compiler.link_flags, "-Wl,-Bsymbolic",
+              *map(str, objects), *compiler.libraries, "-o", str(out)],
              "linking the model library", deadline)
 
 
 def link_executable(compiler: Compiler, objects: Sequence[Path], out: Path,
                     deadline: float | None = None) -> None:
     """A statically linked executable: it runs on any device of the target's architecture."""
-    run_tool([compiler.command, "-static", "-fopenmp", *map(str, objects), *LIBS, "-o", str(out)],
+    run_tool([compiler.command, "-static", *compiler.link_flags, *map(str, objects),
+              *compiler.libraries, "-o", str(out)],
              "linking the runner", deadline)
 
 

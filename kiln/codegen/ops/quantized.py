@@ -26,7 +26,8 @@ from kiln.codegen.expr import (
 from kiln.codegen.indexing import Index
 from kiln.codegen.contexts import InlineCtx, OpAccess, Point, RowCtx, RowView, StageCtx
 from kiln.codegen.ops.registry import inline, row, stage
-from kiln.codegen.ops.contraction import Contraction, contraction
+from kiln.codegen.gemm.contraction import contraction
+from kiln.codegen.gemm.spec import Contraction
 from kiln.codegen.ops.conv import ConvOperands, conv_stage
 from kiln.codegen.ops.common import axis_of
 from kiln.ecg import Graph, Op

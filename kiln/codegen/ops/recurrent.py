@@ -31,7 +31,8 @@ from kiln.codegen.expr import (
 from kiln.codegen.indexing import Index
 from kiln.codegen.contexts import StageCtx
 from kiln.codegen.ops.registry import stage
-from kiln.codegen.ops.contraction import Contraction, contraction
+from kiln.codegen.gemm.contraction import contraction
+from kiln.codegen.gemm.spec import Contraction
 from kiln.codegen.ops.common import c, clip01, fn, sigmoid, softplus
 from kiln.ecg import Graph, Op
 
