@@ -41,7 +41,8 @@ C_OPENMP = Backend(
     renderer=CRenderer,
     toolchain=Toolchain(
         source_suffix=".c",
-        compile_flags=("-O3", "-fopenmp", "-fPIC", "-fno-math-errno"),  # errno-free sqrt etc. vectorise
+        # -fno-math-errno: errno-free sqrt etc. vectorise
+        compile_flags=("-O3", "-fopenmp", "-fPIC", "-fno-math-errno"),
         link_flags=("-fopenmp",),
         libraries=("-lm",),
     ),

@@ -65,7 +65,7 @@ class Provided:
 
 
 class ValueBuilder(Protocol):
-    """Element expressions of the block's tensors inside one stage (`kiln.codegen.lower.Builder`)."""
+    """Element expressions of the block's tensors in one stage (`kiln.codegen.lower.Builder`)."""
 
     def value(self, tensor: str, index: Index) -> Expr: ...
 

@@ -36,6 +36,7 @@ from typing import Any
 
 import kiln
 from kiln.codegen import Kernel
+from kiln.codegen.backend import backend_for
 from kiln.errors import KilnError
 from kiln.plan import FusionPlan
 from kiln.profile.machine import cache_dir
@@ -81,7 +82,7 @@ def build_artifact(plan: FusionPlan, kernels: Sequence[Kernel], target: Target,
     kernels = [k for k in kernels if k.block_id not in views]  # views alias, they run nothing
     memory = plan_memory(plan, kernels)
     units = driver.kernel_units(kernels)
-    sources = _sources(plan, kernels, memory, units)
+    sources = _sources(plan, kernels, memory, units, target)
     members = {f"src/{name}": text.encode() for name, text in sources.items()}
     seconds = timeout if timeout is not None else build_timeout(
         sum(len(text) for text in members.values()))
@@ -109,19 +110,20 @@ def memory_report(memory: MemoryPlan, kernels: Sequence[Kernel],
 
 
 def _sources(plan: FusionPlan, kernels: Sequence[Kernel], memory: MemoryPlan,
-             units: dict[str, driver.KernelUnit]) -> dict[str, str]:
+             units: dict[str, driver.KernelUnit], target: Target) -> dict[str, str]:
     """File name -> C source: one file per distinct kernel body, the driver and the runner."""
     sources = {f"{u.function}.c": u.source for u in units.values()}
     sources["model.c"] = driver.model_source(plan.graph, kernels, memory, units)
     sources[driver.HEADER_NAME] = driver.header_text()
-    sources["runner.c"] = resources.files("kiln.runtime").joinpath("runner.c").read_text()
+    runner = backend_for(target).runner
+    sources[runner] = resources.files("kiln.runtime").joinpath(runner).read_text()
     return sources
 
 
 def _binaries(sources: dict[str, str], units: dict[str, driver.KernelUnit], target: Target,
               cache: BuildCache, folder: Path, deadline: float) -> dict[str, bytes]:
     """The shared library and the runner; objects are named in compiler errors by `labels`."""
-    labels = {"model.c": "the model driver", "runner.c": "the runner"}
+    labels = {"model.c": "the model driver", backend_for(target).runner: "the runner"}
     for symbol, unit in units.items():
         labels.setdefault(f"{unit.function}.c", f"kernel {symbol}")
     compiler = compiler_for(target)
