@@ -18,6 +18,7 @@ class Target:
     isa: tuple[str, ...]  # vector ISA features code may use: "avx512f", "avx2", "fma", "neon"
     cc: str  # C compiler command
     cflags: tuple[str, ...]  # ISA flags for that compiler
+    backend: str = "c"  # the code generator's backend for it (kiln.codegen.backend.BACKENDS)
 
     @property
     def vector_bytes(self) -> int:

@@ -13,24 +13,7 @@ never keeps state between calls and never writes its inputs.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
-
-import numpy as np
-
-
-@dataclass(frozen=True)
-class Kernel:
-    symbol: str  # C identifier, unique within a model, e.g. k3_fused_matmul_add_gelu
-    block_id: str
-    source: str  # C source defining `void symbol(void *const *args)` (and static helpers)
-    args: tuple[str, ...]  # tensor ids: inputs first, then outputs
-    outputs: tuple[str, ...]  # the ids among `args` the kernel writes
-    derived_constants: dict[str, np.ndarray] = field(default_factory=dict)  # e.g. packed weights
-    schedule: dict[str, Any] = field(default_factory=dict)  # parameters the source was made with
-    scratch_bytes: int = 0
-
-
 from kiln.codegen.generate import check_supported as check_supported
 from kiln.codegen.generate import generate as generate
 from kiln.codegen.generate import supported_ops as supported_ops
+from kiln.codegen.kernel import Kernel as Kernel

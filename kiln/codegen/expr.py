@@ -142,6 +142,12 @@ def local(name: str, dtype: str) -> Expr:
     return make("local", dtype, (), (name,))
 
 
+def temporary(name: str, value: Expr) -> Expr:
+    """A local naming `value` (a common sub-expression bound by `kiln.codegen.passes`), with the
+    value's range, so that what is rendered from it decides as it would from the value."""
+    return make("local", value.dtype, (), (name, *value.range))
+
+
 def acc(name: str, dtype: str) -> Expr:
     """A mutable scalar accumulator (declared by `DeclAcc`, updated by `Assign`)."""
     return make("acc", dtype, (), (name,))
@@ -165,7 +171,7 @@ def _compute_range(e: Expr) -> Range:
     if op == "const":
         v = e.value
         return (float(v), float(v)) if e.dtype in FLOAT_TYPES else (int(v), int(v))
-    if op == "var":
+    if op == "var" or (op == "local" and len(e.attr) == 3):
         return (e.attr[1], e.attr[2])
     if op == "sum":
         lo = hi = e.attr[1]

@@ -9,8 +9,9 @@ The code generator, as a list of steps per block:
    `ops/*`), so data movement inside a block is never a copy (§4.4.2).
 2. `passes.finish_stage` splits inner loops whose index maps divide them (strength reduction)
    and picks the parallel loops, following the `schedule.Schedule` parameters.
-3. `emit_c.CEmitter` renders C with OpenMP, one temporary per common sub-expression at the
-   outermost loop where it is invariant.
+3. `passes.bind_values` names common sub-expressions, one temporary each at the outermost loop
+   where it is invariant.
+4. The target's backend (`backend.backend_for`) renders the kernel: C with OpenMP today.
 
 Kernels use Kiln's identifiers only (tensor ids, k<i>_ symbols): no model name reaches a source.
 """
@@ -20,11 +21,12 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from kiln.codegen import Kernel
-from kiln.codegen.emit_c import CEmitter
+from kiln.codegen.backend import Backend, backend_for
 from kiln.codegen.expr import DTYPES
+from kiln.codegen.kernel import Kernel
 from kiln.codegen.lower import BlockLowering
 from kiln.codegen.ops import registered
+from kiln.codegen.passes import bind_values
 from kiln.codegen.schedule import DEFAULT_SCHEDULE, Schedule
 from kiln.ecg import Graph
 from kiln.errors import UnsupportedOpsError
@@ -69,8 +71,9 @@ def generate(plan: FusionPlan, target: Target, schedule: Schedule = DEFAULT_SCHE
              block_schedules: Mapping[str, Mapping[str, Any]] | None = None) -> list[Kernel]:
     """One Kernel per block of the plan, in plan order (the kernel ABI of `kiln.codegen`)."""
     check_supported(plan.graph)
+    backend = backend_for(target)
     block_schedules = block_schedules or {}
-    return [_kernel(plan.graph, block, i, target,
+    return [_kernel(plan.graph, block, i, target, backend,
                     schedule.merged(block_schedules.get(block.id)).for_isa(target.isa))
             for i, block in enumerate(plan.blocks)]
 
@@ -79,11 +82,13 @@ def kernel_symbol(block: Block, index: int) -> str:
     return f"k{index}_{re.sub(r'[^0-9A-Za-z_]', '_', block.name)}"
 
 
-def _kernel(graph: Graph, block: Block, index: int, target: Target, schedule: Schedule) -> Kernel:
+def _kernel(graph: Graph, block: Block, index: int, target: Target, backend: Backend,
+            schedule: Schedule) -> Kernel:
     symbol = kernel_symbol(block, index)
     lowered = BlockLowering(graph, block, symbol, schedule).lower()
-    source = CEmitter().kernel(lowered.kernel, f"Kiln kernel {symbol} (block {block.id}, "
-                                               f"target {target.name})")
+    bind_values(lowered.kernel)
+    source = backend.renderer().kernel(lowered.kernel, f"Kiln kernel {symbol} (block {block.id}, "
+                                                       f"target {target.name})")
     record = {"target": target.name, "arch": target.arch, **schedule.as_dict(),
               "stages": lowered.stage_info}
     return Kernel(symbol=symbol, block_id=block.id, source=source,

@@ -10,14 +10,23 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from kiln.codegen.expr import Expr
-from kiln.codegen.microkernel import MicroKernel
+from kiln.codegen.gemm.microkernel import MicroKernel
+
+
+# How a parallel loop's work items are shared among workers: "even" — equal shares decided up
+# front (items of equal cost); "one" — one item at a time as workers free up (few, uneven items:
+# GEMM cache blocks); "chunks" — small chunks (cheap, memory-bound items: a worker the OS
+# deschedules on a loaded machine holds up only its chunk).
+GRAINS = ("even", "one", "chunks")
 
 
 @dataclass(eq=False)
 class Loop:
-    """for var in [start, stop): body. `parallel` > 0 marks an OpenMP parallel loop collapsing
-    that many perfectly nested loops; `simd` marks a vectorisable inner loop and `reductions`
-    its (operator, accumulator) reduction clauses."""
+    """for var in [start, stop): body. The IR says what may run in parallel, a backend says how
+    (`kiln.codegen.backend`): `parallel` > 0 makes the iterations of this loop and of the
+    `parallel - 1` loops perfectly nested in it independent work items, shared out by `grain`
+    (see GRAINS); `simd` marks a vectorisable inner loop and `reductions` its (operator,
+    accumulator) reductions."""
 
     var: Expr
     start: Expr
@@ -26,7 +35,7 @@ class Loop:
     parallel: int = 0
     simd: bool = False
     reductions: tuple[tuple[str, Expr], ...] = ()
-    omp_schedule: str = "static"  # of a parallel loop: "static" or "dynamic" (one at a time)
+    grain: str = "even"  # of a parallel loop: one of GRAINS
 
     @property
     def static_extent(self) -> int | None:
@@ -93,7 +102,7 @@ class If:
 
 @dataclass(eq=False)
 class MicroKernelCall:
-    """One register-blocked GEMM tile update (`kiln.codegen.microkernel`):
+    """One register-blocked GEMM tile update (`kiln.codegen.gemm.microkernel`):
     `kernel(kc, a + a_offset, b + b_offset, ldb, c + c_offset, ldc, accumulate)`. `a` and `b` are
     kernel buffers (packed weights or scratch), `c` a local array."""
 

@@ -1,4 +1,5 @@
-"""Loop-nest passes run on every stage: loop splitting and the choice of parallel loops.
+"""Loop-nest passes: loop splitting and the choice of parallel loops (every stage, `finish_stage`),
+then common sub-expressions and loop-invariant code motion (every kernel, `bind_values`).
 
 Loop splitting strength-reduces index maps: when the innermost loop's variable `j` appears as
 `j // c` or `j % c` with `c` dividing its extent, the loop becomes two loops over `(j1, j0)` with
@@ -13,10 +14,18 @@ change is a constant: the loop becomes consecutive loops over sub-ranges, and in
 simplifier decides the conditions from the variable's narrower range. The loads become
 contiguous (no clamp, so no gather) and the select disappears. A select left on a condition the
 inner loop does not change (a padded row) is unswitched: one loop per outcome under an `if`.
+
+Value binding gives every expression node worth a name a `Let` of a temporary (`v0`, `v1`, ...),
+once per scope (common sub-expressions), at the outermost loop level where every variable it reads
+is defined (loop-invariant code motion): a bias load `b[c]` sits in the channel loop, not in the
+pixel loop. Nodes that read mutable state (accumulators, local arrays, buffers the stage itself
+writes) are bound where they are used and shared only until that state is written. `if` bodies
+are barriers: nothing computed under a condition moves above it. After it, every expression in
+the kernel is a small tree over constants, variables and named values, which a renderer prints
+as it stands.
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -28,10 +37,12 @@ from kiln.codegen.expr import (
     add,
     const,
     iconst,
+    make,
     mul,
     rebuild,
     sub,
     substitute,
+    temporary,
     var,
     walk,
 )
@@ -251,3 +262,186 @@ def _clone(body: list[ir.Stmt]) -> list[ir.Stmt]:
         else:
             copies.append(replace(stmt))
     return copies
+
+
+# ---------------------------------------------------------------------------------------------
+# Value binding: common sub-expressions and loop-invariant code motion
+
+def bind_values(kernel: ir.KernelIR) -> None:
+    """Bind the expressions of every stage of `kernel` to temporaries (see the module docstring),
+    in place; temporaries are numbered across the kernel."""
+    binder = _Binder()
+    for stage in kernel.stages:
+        stage.body = binder.stage(stage.body)
+
+
+class _Scope:
+    def __init__(self, parent: _Scope | None, defines: set[Expr], barrier: bool = False):
+        self.parent = parent
+        self.defines = defines
+        self.barrier = barrier
+        self.body: list[ir.Stmt] = []
+        self.names: dict[Expr, Expr] = {}
+        # temporaries of values that read mutable state, valid until that state is written
+        self.mutable: dict[Expr, Expr] = {}
+
+    def written(self, names: set[str], depends: dict[Expr, frozenset[str]]) -> None:
+        """State `names` changed: forget the temporaries that read it."""
+        for e in [e for e in self.mutable if depends[e] & names]:
+            del self.mutable[e]
+
+    def lookup(self, e: Expr) -> Expr | None:
+        scope: _Scope | None = self
+        while scope is not None:
+            if e in scope.names:
+                return scope.names[e]
+            scope = scope.parent
+        return None
+
+
+class _Binder:
+    def __init__(self) -> None:
+        self.counter = 0
+        self.written: set[str] = set()  # buffers the current stage stores to
+        self.depends: dict[Expr, frozenset[str]] = {}  # the mutable state each node reads
+
+    def stage(self, body: list[ir.Stmt]) -> list[ir.Stmt]:
+        self.written = {s.buffer for s in ir.iter_stmts(body) if isinstance(s, ir.Store)}
+        self.depends = {}
+        scope = _Scope(None, set(), barrier=True)
+        for stmt in body:
+            self.statement(stmt, scope)
+        return scope.body
+
+    def statement(self, stmt: ir.Stmt, scope: _Scope) -> None:
+        self._bind(stmt, scope)
+        changed = writes(stmt)
+        if changed:
+            scope.written(changed, self.depends)
+
+    def _bind(self, stmt: ir.Stmt, scope: _Scope) -> None:
+        ref = self.ref
+        if isinstance(stmt, ir.Loop):
+            self.loop(stmt, scope)
+        elif isinstance(stmt, ir.Let):
+            scope.body.append(ir.Let(stmt.local, ref(stmt.value, scope)))
+            scope.defines.add(stmt.local)
+        elif isinstance(stmt, ir.DeclAcc):
+            scope.body.append(ir.DeclAcc(stmt.acc, ref(stmt.init, scope)))
+            scope.defines.add(stmt.acc)
+        elif isinstance(stmt, ir.Assign):
+            scope.body.append(ir.Assign(stmt.acc, ref(stmt.value, scope)))
+        elif isinstance(stmt, ir.DeclArray):
+            scope.body.append(stmt)
+        elif isinstance(stmt, ir.ArrayStore):
+            index = ref(stmt.index, scope)
+            scope.body.append(ir.ArrayStore(stmt.name, index, ref(stmt.value, scope)))
+        elif isinstance(stmt, ir.Store):
+            offset = ref(stmt.offset, scope)
+            scope.body.append(ir.Store(stmt.buffer, offset, ref(stmt.value, scope)))
+        elif isinstance(stmt, ir.If):
+            self.branch(stmt, scope)
+        elif isinstance(stmt, ir.MicroKernelCall):
+            kc, accumulate = ref(stmt.kc, scope), ref(stmt.accumulate, scope)
+            a, b, c = (ref(stmt.a_offset, scope), ref(stmt.b_offset, scope),
+                       ref(stmt.c_offset, scope))
+            scope.body.append(replace(stmt, kc=kc, accumulate=accumulate, a_offset=a,
+                                      b_offset=b, c_offset=c))
+        else:
+            raise TypeError(f"unknown statement {stmt!r}")
+
+    def loop(self, loop: ir.Loop, scope: _Scope) -> None:
+        """A loop (with the loops a parallel nest collapses): bounds bound outside, body inside."""
+        nest = [loop]
+        for _ in range(loop.parallel - 1):
+            inner = nest[-1].body
+            assert len(inner) == 1 and isinstance(inner[0], ir.Loop), "collapse needs a perfect nest"
+            nest.append(inner[0])
+        bounds = [(self.ref(level.start, scope), self.ref(level.stop, scope)) for level in nest]
+        child = _Scope(scope, {level.var for level in nest})
+        for stmt in nest[-1].body:
+            self.statement(stmt, child)
+        body = child.body
+        for level, (start, stop) in reversed(list(zip(nest, bounds))):
+            body = [replace(level, start=start, stop=stop, body=body)]
+        scope.body.extend(body)
+
+    def branch(self, stmt: ir.If, scope: _Scope) -> None:
+        cond = self.ref(stmt.cond, scope)
+        then = _Scope(scope, set(), barrier=True)
+        for s in stmt.body:
+            self.statement(s, then)
+        other = _Scope(scope, set(), barrier=True)
+        for s in stmt.orelse:
+            self.statement(s, other)
+        scope.body.append(ir.If(cond, then.body, other.body))
+
+    def ref(self, e: Expr, scope: _Scope) -> Expr:
+        """`e` as it is used at `scope`: a constant, a variable, a temporary bound where it
+        belongs, or (not worth a name) a node over such references."""
+        if e.op in ("const", "var", "local", "acc"):
+            return e
+        if self._state_read(e):
+            return self._mutable_ref(e, scope)
+        known = scope.lookup(e)
+        if known is not None:
+            return known
+        target = self._placement(e, scope)
+        value = make(e.op, e.dtype, tuple(self.ref(a, target) for a in e.args), e.attr)
+        if e.op == "sum" and len(e.args) == 1 and e.attr[1] == 0:
+            return value  # k*x: not worth a name
+        name = self._temporary(e)
+        target.body.append(ir.Let(name, value))
+        target.names[e] = name
+        return name
+
+    def _mutable_ref(self, e: Expr, scope: _Scope) -> Expr:
+        """Nodes reading mutable state: bound where used (never hoisted), shared by the
+        statements of the same scope until the state they read is written."""
+        if e in scope.mutable:
+            return scope.mutable[e]
+        value = make(e.op, e.dtype, tuple(self.ref(a, scope) for a in e.args), e.attr)
+        if e.op in ("lload", "load"):
+            return value
+        name = self._temporary(e)
+        scope.body.append(ir.Let(name, value))
+        scope.mutable[e] = name
+        return name
+
+    def _temporary(self, e: Expr) -> Expr:
+        name = temporary(f"v{self.counter}", e)
+        self.counter += 1
+        return name
+
+    def _state_read(self, e: Expr) -> frozenset[str]:
+        """Names of the mutable state (accumulators, local arrays, buffers this stage writes)
+        that `e` reads."""
+        known = self.depends.get(e)
+        if known is None:
+            own = {e.name} if (e.op in ("acc", "lload")
+                               or (e.op == "load" and e.name in self.written)) else set()
+            known = frozenset(own).union(*(self._state_read(a) for a in e.args))
+            self.depends[e] = known
+        return known
+
+    def _placement(self, e: Expr, scope: _Scope) -> _Scope:
+        free = e.free
+        while (scope.parent is not None and not scope.barrier
+               and not (scope.defines & free)):
+            scope = scope.parent
+        return scope
+
+
+def writes(stmt: ir.Stmt) -> set[str]:
+    """Names of the mutable state a statement (with its nested statements) writes."""
+    names = set()
+    for s in ir.iter_stmts([stmt]):
+        if isinstance(s, (ir.Assign, ir.DeclAcc)):
+            names.add(s.acc.name)
+        elif isinstance(s, ir.ArrayStore):
+            names.add(s.name)
+        elif isinstance(s, ir.Store):
+            names.add(s.buffer)
+        elif isinstance(s, ir.MicroKernelCall):
+            names.add(s.c)
+    return names

@@ -25,6 +25,7 @@ import re
 import shutil
 import stat
 import tempfile
+import time
 import zipfile
 import zlib
 from collections.abc import Sequence
@@ -35,6 +36,7 @@ from typing import Any
 
 import kiln
 from kiln.codegen import Kernel
+from kiln.codegen.backend import backend_for
 from kiln.errors import KilnError
 from kiln.plan import FusionPlan
 from kiln.files import cache_dir, temporary_beside
@@ -42,6 +44,7 @@ from kiln.runtime import driver
 from kiln.runtime.memory import MemoryPlan, plan_memory, weights_blob
 from kiln.runtime.toolchain import (
     BuildCache,
+    build_timeout,
     compiler_for,
     link_executable,
     link_shared,
@@ -70,16 +73,22 @@ class ArtifactError(KilnError):
 
 def build_artifact(plan: FusionPlan, kernels: Sequence[Kernel], target: Target,
                    report: dict[str, Any], out_path: str | Path,
-                   cache: BuildCache | None = None) -> dict[str, Any]:
-    """Compile `kernels` for `target` and write the artifact; return the report it holds."""
+                   cache: BuildCache | None = None, timeout: float | None = None) -> dict[str, Any]:
+    """Compile `kernels` for `target` and write the artifact; return the report it holds.
+
+    Compiling and linking must finish within `timeout` seconds (default: `build_timeout` of the
+    sources' size); a step still running then is killed and raises a ToolchainError naming it."""
     views = {b.id for b in plan.blocks if b.is_view}
     kernels = [k for k in kernels if k.block_id not in views]  # views alias, they run nothing
     memory = plan_memory(plan, kernels)
     units = driver.kernel_units(kernels)
-    sources = _sources(plan, kernels, memory, units)
+    sources = _sources(plan, kernels, memory, units, target)
     members = {f"src/{name}": text.encode() for name, text in sources.items()}
+    seconds = timeout if timeout is not None else build_timeout(
+        sum(len(text) for text in members.values()))
+    deadline = time.monotonic() + seconds
     with tempfile.TemporaryDirectory(prefix="kiln-build-") as tmp:
-        members |= _binaries(sources, units, target, cache or BuildCache(), Path(tmp))
+        members |= _binaries(sources, units, target, cache or BuildCache(), Path(tmp), deadline)
     members[WEIGHTS] = weights_blob(plan, kernels, memory)
     members[PLAN] = _json(plan_json(plan, kernels, memory, units))
     full_report = report | memory_report(memory, kernels, units)
@@ -101,27 +110,29 @@ def memory_report(memory: MemoryPlan, kernels: Sequence[Kernel],
 
 
 def _sources(plan: FusionPlan, kernels: Sequence[Kernel], memory: MemoryPlan,
-             units: dict[str, driver.KernelUnit]) -> dict[str, str]:
+             units: dict[str, driver.KernelUnit], target: Target) -> dict[str, str]:
     """File name -> C source: one file per distinct kernel body, the driver and the runner."""
     sources = {f"{u.function}.c": u.source for u in units.values()}
     sources["model.c"] = driver.model_source(plan.graph, kernels, memory, units)
     sources[driver.HEADER_NAME] = driver.header_text()
-    sources["runner.c"] = resources.files("kiln.runtime").joinpath("runner.c").read_text()
+    runner = backend_for(target).runner
+    sources[runner] = resources.files("kiln.runtime").joinpath(runner).read_text()
     return sources
 
 
 def _binaries(sources: dict[str, str], units: dict[str, driver.KernelUnit], target: Target,
-              cache: BuildCache, folder: Path) -> dict[str, bytes]:
+              cache: BuildCache, folder: Path, deadline: float) -> dict[str, bytes]:
     """The shared library and the runner; objects are named in compiler errors by `labels`."""
-    labels = {"model.c": "the model driver", "runner.c": "the runner"}
+    labels = {"model.c": "the model driver", backend_for(target).runner: "the runner"}
     for symbol, unit in units.items():
         labels.setdefault(f"{unit.function}.c", f"kernel {symbol}")
     compiler = compiler_for(target)
     objects = cache.objects(compiler, {labels[name]: driver.with_header(text)
-                                       for name, text in sources.items() if name in labels})
+                                       for name, text in sources.items() if name in labels},
+                            deadline)
     runner = objects.pop("the runner")
-    link_shared(compiler, list(objects.values()), folder / "model.so")
-    link_executable(compiler, [*objects.values(), runner], folder / "runner")
+    link_shared(compiler, list(objects.values()), folder / "model.so", deadline)
+    link_executable(compiler, [*objects.values(), runner], folder / "runner", deadline)
     return {LIBRARY: (folder / "model.so").read_bytes(), RUNNER: (folder / "runner").read_bytes()}
 
 

@@ -11,8 +11,8 @@ from onnx import helper
 
 from kiln import frontend
 from kiln.codegen import generate
-from kiln.codegen.microkernel import ISA_TILES, MicroKernel, micro_kernel_source, tile_for
-from kiln.codegen.ops.contraction import blocking
+from kiln.codegen.gemm.blocking import blocking
+from kiln.codegen.gemm.microkernel import ISA_TILES, MicroKernel, tile_for, vector_extension_source
 from kiln.codegen.schedule import Schedule
 from kiln.target import host_target
 from tests.codegen.harness import (
@@ -158,7 +158,7 @@ def test_micro_kernel_register_budget():
 
 def test_micro_kernel_source_rejects_partial_vectors():
     with pytest.raises(ValueError):
-        micro_kernel_source(MicroKernel("float32", 4, 12, 32))
+        vector_extension_source(MicroKernel("float32", 4, 12, 32))
 
 
 def test_blocking_keeps_threads_busy_and_blocks_even():

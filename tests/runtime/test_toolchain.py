@@ -1,13 +1,22 @@
 """The toolchain: objects cached by content hash, clear errors from the compiler."""
 from __future__ import annotations
 
+import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from kiln.codegen import Kernel
 from kiln.runtime.artifact import build_artifact
-from kiln.runtime.toolchain import BuildCache, ToolchainError, compiler_for
+from kiln.errors import KilnError
+from kiln.runtime.toolchain import (
+    BUILD_TIMEOUT_ENV,
+    BuildCache,
+    ToolchainError,
+    build_timeout,
+    compiler_for,
+)
 from kiln.target import Target, target
 from tests.runtime.handmade import chain, mlp
 
@@ -69,3 +78,51 @@ def test_a_compiler_for_another_architecture_is_refused():
         pytest.skip("the host compiler does not build for x86_64")
     with pytest.raises(ToolchainError, match="not for aarch64"):
         compiler_for(wrong)
+
+
+def _slow_kernel(symbol: str, statements: int) -> str:
+    """A valid kernel gcc -O3 needs minutes for: one long dependent chain of float updates."""
+    lines = [f"void {symbol}(void *const *args) {{",
+             "  const float *x = (const float *)args[0]; float *y = (float *)args[1];",
+             "  float a = x[0], b = x[1];"]
+    lines += [f"  a = a * x[{i % 13}] + b; b = b * x[{i * 7 % 11}] - a;" for i in range(statements)]
+    return "\n".join([*lines, "  y[0] = a + b;", "}"])
+
+
+def _processes_reading(path_part: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and path_part in (entry / "cmdline").read_bytes().decode(
+                    errors="replace"):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def test_a_compile_past_the_build_deadline_is_stopped_and_named(tmp_path):
+    model = chain(2)
+    slow = Kernel("k1_relu", "b1", _slow_kernel("k1_relu", 8000), model.kernels[1].args,
+                  model.kernels[1].outputs)
+    out = tmp_path / "slow.kiln"
+    cache = tmp_path / "cache"
+    started = time.monotonic()
+    with pytest.raises(ToolchainError) as caught:
+        build_artifact(model.plan, [model.kernels[0], slow], target("host"), {}, out,
+                       BuildCache(cache), timeout=2.0)
+    assert time.monotonic() - started < 30
+    assert "compiling kernel k1_relu: still running at the build's deadline" in str(caught.value)
+    assert not out.exists() and not list(tmp_path.rglob("*.tmp"))
+    time.sleep(0.5)
+    assert _processes_reading(str(cache)) == []  # gcc's cc1 was killed with gcc
+
+
+def test_the_default_build_deadline_grows_with_the_sources(monkeypatch):
+    monkeypatch.delenv(BUILD_TIMEOUT_ENV, raising=False)
+    assert build_timeout(10 << 20) > build_timeout(10 << 10) >= 60
+    monkeypatch.setenv(BUILD_TIMEOUT_ENV, "7.5")
+    assert build_timeout(10 << 20) == 7.5
+    monkeypatch.setenv(BUILD_TIMEOUT_ENV, "-1")
+    with pytest.raises(KilnError, match=BUILD_TIMEOUT_ENV):
+        build_timeout(1)

@@ -46,8 +46,8 @@ from kiln.codegen.expr import (
     var,
 )
 from kiln.codegen.indexing import Index
-from kiln.codegen.lower import StageCtx
-from kiln.codegen.ops import stage
+from kiln.codegen.contexts import StageCtx
+from kiln.codegen.ops.registry import stage
 from kiln.ecg import Graph, Op
 
 MAX_STACK_ROW = 16384  # scores of one row live on the stack up to this many key positions

@@ -48,9 +48,10 @@ from kiln.codegen.expr import (
     sub,
 )
 from kiln.codegen.indexing import Index
-from kiln.codegen.lower import InlineCtx, StageCtx
-from kiln.codegen.ops import inline, stage
-from kiln.codegen.ops.contraction import Contraction, contraction
+from kiln.codegen.contexts import InlineCtx, StageCtx
+from kiln.codegen.ops.registry import inline, stage
+from kiln.codegen.gemm.contraction import contraction
+from kiln.codegen.gemm.spec import Contraction
 from kiln.ecg import Graph, Op
 
 
@@ -321,7 +322,7 @@ def _direct_conv(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: ConvOp
     tile_loop = ir.Loop(wt, iconst(0), iconst(tiles), [zero, reduction, over_tile(epilogue)])
     loop = ir.Loop(p, iconst(0), iconst(batch * blocks * rows),
                    [ir.DeclArray(tile, dtype, mb * tw), tile_loop], parallel=1,
-                   omp_schedule="chunked")
+                   grain="chunks")
     work = out.numel * cg * math.prod(w.kernel)
     ctx.stage(f"conv ({ctx.op.id}), direct", [loop], work)
     ctx.info.update(form="direct", tile_cout=mb, tile_w=tw)
@@ -420,7 +421,7 @@ def _depthwise_conv(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: Con
         body = [ir.DeclArray(plane_sums, ops.acc_dtype, oh * ow), *body,
                 ir.Loop(q, iconst(0), iconst(oh * ow), epilogue, simd=True)]
     loop = ir.Loop(p, iconst(0), iconst(batch * m_total), body, parallel=1,
-                   omp_schedule="chunked")
+                   grain="chunks")
     ctx.stage(f"conv ({ctx.op.id}), depthwise", [loop], out.numel * kh * kw)
     ctx.info.update(form="depthwise", border=(y_lo, oh - y_hi, x_lo, ow - x_hi),
                     plane_buffer=buffered)

@@ -28,65 +28,10 @@ from kiln.codegen.expr import (
 )
 from kiln.codegen.expr import add as iadd
 from kiln.codegen.indexing import Index, broadcast
-from kiln.codegen.lower import InlineCtx
-from kiln.codegen.ops import inline
+from kiln.codegen.contexts import InlineCtx
+from kiln.codegen.ops.common import add, c, clip01, cmp, div, exp, fn, maximum, minimum, mul, sigmoid, softplus, sub
+from kiln.codegen.ops.registry import inline
 from kiln.ecg import Graph, Op
-
-
-# --- small constructors ------------------------------------------------------------------------
-def c(value, like: Expr) -> Expr:
-    return const(value, like.dtype)
-
-
-def add(a: Expr, b: Expr) -> Expr:
-    return binary("add", a, b)
-
-
-def sub(a: Expr, b: Expr) -> Expr:
-    return binary("sub", a, b)
-
-
-def mul(a: Expr, b: Expr) -> Expr:
-    return binary("mul", a, b)
-
-
-def div(a: Expr, b: Expr) -> Expr:
-    return binary("div", a, b)
-
-
-def cmp(op: str, a: Expr, b: Expr) -> Expr:
-    return make(op, BOOL, (a, b))
-
-
-def fn(name: str, *args: Expr) -> Expr:
-    return call(name, args[0].dtype, *args)
-
-
-def maximum(a: Expr, b: Expr) -> Expr:
-    return binary("max", a, b)
-
-
-def minimum(a: Expr, b: Expr) -> Expr:
-    return binary("min", a, b)
-
-
-def exp(x: Expr) -> Expr:
-    return fn("exp", x)
-
-
-def sigmoid(x: Expr) -> Expr:
-    one = c(1, x)
-    return div(one, add(one, exp(unary("neg", x))))
-
-
-def softplus(x: Expr) -> Expr:
-    """log(1 + exp(x)) without overflow: max(x, 0) + log1p(exp(-|x|)), one exp and one log1p
-    (a select of two formulas would compute both in a vectorised loop)."""
-    return add(maximum(x, c(0, x)), fn("log1p", exp(unary("neg", unary("abs", x)))))
-
-
-def clip01(v: Expr) -> Expr:
-    return select(cmp("lt", v, c(0, v)), c(0, v), select(cmp("gt", v, c(1, v)), c(1, v), v))
 
 
 def operand(ctx: InlineCtx, i: int, index: Index) -> Expr:

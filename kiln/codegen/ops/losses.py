@@ -30,8 +30,8 @@ from kiln.codegen.expr import (
     var,
 )
 from kiln.codegen.indexing import Index
-from kiln.codegen.lower import StageCtx
-from kiln.codegen.ops import stage
+from kiln.codegen.contexts import StageCtx
+from kiln.codegen.ops.registry import stage
 from kiln.codegen.reduction import reduction_phase
 from kiln.ecg import Graph, Op
 

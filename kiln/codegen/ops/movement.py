@@ -27,20 +27,9 @@ from kiln.codegen.expr import (
     sub,
 )
 from kiln.codegen.indexing import Index, broadcast, permuted
-from kiln.codegen.lower import InlineCtx
-from kiln.codegen.ops import inline
-from kiln.ecg import Graph, Op
-
-
-def axis_of(value: int, rank: int) -> int:
-    return value + rank if value < 0 else value
-
-
-def wrapped(value: Expr, extent: int) -> Expr:
-    """A run-time index: negative counts from the end; clamped into [0, extent)."""
-    i = as_index(value)
-    i = select(index_compare("lt", i, 0), add(i, extent), i)
-    return clamp(i, 0, max(extent - 1, 0))
+from kiln.codegen.contexts import InlineCtx
+from kiln.codegen.ops.common import axis_of, needs_const_inputs, wrapped
+from kiln.codegen.ops.registry import inline
 
 
 def in_range(i: Expr, extent: int) -> Expr:
@@ -50,15 +39,6 @@ def in_range(i: Expr, extent: int) -> Expr:
 def const_ints(ctx: InlineCtx, i: int) -> list[int] | None:
     data = ctx.const(i) if ctx.has(i) else None
     return None if data is None else [int(v) for v in data.reshape(-1)]
-
-
-def needs_const_inputs(*positions: int):
-    def check(op: Op, graph: Graph) -> str | None:
-        for p in positions:
-            if p < len(op.inputs) and op.inputs[p] is not None and not graph.is_constant(op.inputs[p]):
-                return f"input {p} must be a constant"
-        return None
-    return check
 
 
 # --- same elements, new shape ------------------------------------------------------------------

@@ -24,11 +24,12 @@ from kiln.codegen.expr import (
     select,
 )
 from kiln.codegen.indexing import Index
-from kiln.codegen.lower import InlineCtx, OpAccess, Point, RowCtx, RowView, StageCtx
-from kiln.codegen.ops import inline, row, stage
-from kiln.codegen.ops.contraction import Contraction, contraction
+from kiln.codegen.contexts import InlineCtx, OpAccess, Point, RowCtx, RowView, StageCtx
+from kiln.codegen.ops.registry import inline, row, stage
+from kiln.codegen.gemm.contraction import contraction
+from kiln.codegen.gemm.spec import Contraction
 from kiln.codegen.ops.conv import ConvOperands, conv_stage
-from kiln.codegen.ops.movement import axis_of
+from kiln.codegen.ops.common import axis_of
 from kiln.ecg import Graph, Op
 
 INT_QUANT = ("int8", "uint8", "int16", "uint16")

@@ -29,10 +29,11 @@ from kiln.codegen.expr import (
     select,
 )
 from kiln.codegen.indexing import Index
-from kiln.codegen.lower import StageCtx
-from kiln.codegen.ops import stage
-from kiln.codegen.ops.contraction import Contraction, contraction
-from kiln.codegen.ops.elementwise import c, clip01, fn, sigmoid, softplus
+from kiln.codegen.contexts import StageCtx
+from kiln.codegen.ops.registry import stage
+from kiln.codegen.gemm.contraction import contraction
+from kiln.codegen.gemm.spec import Contraction
+from kiln.codegen.ops.common import c, clip01, fn, sigmoid, softplus
 from kiln.ecg import Graph, Op
 
 GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}

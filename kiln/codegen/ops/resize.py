@@ -36,9 +36,9 @@ from kiln.codegen.expr import (
     select,
 )
 from kiln.codegen.indexing import Index
-from kiln.codegen.lower import InlineCtx
-from kiln.codegen.ops import inline
-from kiln.codegen.ops.movement import axis_of
+from kiln.codegen.contexts import InlineCtx
+from kiln.codegen.ops.registry import inline
+from kiln.codegen.ops.common import axis_of
 from kiln.ecg import Graph, Op
 
 MAX_TAP_PRODUCT = 4096

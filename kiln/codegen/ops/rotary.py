@@ -17,8 +17,8 @@ from kiln.codegen.expr import (
     sub,
 )
 from kiln.codegen.indexing import Index
-from kiln.codegen.lower import InlineCtx
-from kiln.codegen.ops import inline
+from kiln.codegen.contexts import InlineCtx
+from kiln.codegen.ops.registry import inline
 from kiln.ecg import Graph, Op
 
 

@@ -22,10 +22,10 @@ from kiln.codegen.expr import (
 from kiln.codegen.expr import add as iadd
 from kiln.codegen.expr import mul as imul
 from kiln.codegen.indexing import Index, broadcast
-from kiln.codegen.lower import Point, RowCtx, RowView
-from kiln.codegen.ops import row
-from kiln.codegen.ops.elementwise import add, c, cmp, div, exp, fn, mul, sub
-from kiln.codegen.ops.movement import axis_of
+from kiln.codegen.contexts import Point, RowCtx, RowView
+from kiln.codegen.ops.registry import row
+from kiln.codegen.ops.common import add, c, cmp, div, exp, fn, mul, sub
+from kiln.codegen.ops.common import axis_of
 from kiln.ecg import Graph, Op
 
 

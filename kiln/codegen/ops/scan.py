@@ -36,9 +36,9 @@ from kiln.codegen.expr import (
     var,
 )
 from kiln.codegen.indexing import Index
-from kiln.codegen.lower import StageCtx
-from kiln.codegen.ops import stage
-from kiln.codegen.ops.movement import axis_of, needs_const_inputs
+from kiln.codegen.contexts import StageCtx
+from kiln.codegen.ops.registry import stage
+from kiln.codegen.ops.common import axis_of, needs_const_inputs
 from kiln.ecg import Graph, Op
 
 

@@ -12,9 +12,9 @@ import math
 from kiln.codegen import ir
 from kiln.codegen.expr import Expr, binary, const, iconst, load, var
 from kiln.codegen.indexing import Index
-from kiln.codegen.lower import StageCtx
-from kiln.codegen.ops import stage
-from kiln.codegen.ops.movement import axis_of, wrapped
+from kiln.codegen.contexts import StageCtx
+from kiln.codegen.ops.registry import stage
+from kiln.codegen.ops.common import axis_of, wrapped
 
 COMBINE = {"add": "add", "mul": "mul", "max": "max", "min": "min"}
 

@@ -33,9 +33,9 @@ from kiln.codegen.expr import (
     var,
 )
 from kiln.codegen.indexing import Index
-from kiln.codegen.lower import InlineCtx, StageCtx
-from kiln.codegen.ops import inline, stage
-from kiln.codegen.ops.movement import needs_const_inputs
+from kiln.codegen.contexts import InlineCtx, StageCtx
+from kiln.codegen.ops.registry import inline, stage
+from kiln.codegen.ops.common import needs_const_inputs
 from kiln.ecg import Graph, Op
 
 # ω_n = Σ_k a_k · cos(2πk·n / N) per window (N = size, or size − 1 when not periodic).

@@ -1,4 +1,5 @@
-"""Register-blocked GEMM micro-kernels, generated as portable C with GCC vector extensions.
+"""Register-blocked GEMM micro-kernels: their shapes per ISA, and their source as portable C with
+GCC vector extensions (the C backend's micro-kernel provider; another backend brings its own).
 
 One generator serves every ISA: a micro-kernel updates an `mr` × `nr` tile of C held in
 `mr · nr / lanes` vector registers, for `kc` steps of the sum, from packed operands:
@@ -45,9 +46,6 @@ class MicroKernel:
     def function(self) -> str:
         return f"kiln_ukr_{self.dtype}_{self.mr}x{self.nr}_v{self.vector_bytes}"
 
-    def source(self) -> str:
-        return micro_kernel_source(self)
-
 
 def tile_for(isa: tuple[str, ...], dtype: str, vector_bytes: int = 0, mr: int = 0,
              nr: int = 0) -> MicroKernel:
@@ -64,7 +62,8 @@ def tile_for(isa: tuple[str, ...], dtype: str, vector_bytes: int = 0, mr: int = 
     return kernel
 
 
-def micro_kernel_source(k: MicroKernel) -> str:
+def vector_extension_source(k: MicroKernel) -> str:
+    """The micro-kernel as C with GCC vector extensions (the C backend's provider)."""
     lanes, vectors = k.lanes, k.nr // k.lanes
     if k.nr % lanes:
         raise ValueError(f"nr={k.nr} is not a multiple of {lanes} lanes")

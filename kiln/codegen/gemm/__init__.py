@@ -1,0 +1,4 @@
+"""GEMM code generation, shared by every op that contracts (MatMul, Gemm, Einsum, convolutions,
+recurrences, quantized products): `contraction.contraction` picks the loop nest for a
+`spec.Contraction`; the packed GotoBLAS GEMM (`packed`) with its blocking (`blocking`), operand
+packing (`packing`) and micro-kernel shapes (`microkernel`)."""

@@ -1,0 +1,134 @@
+"""Packing GEMM operands into the panels the micro-kernel reads: constants at compile time,
+run-time operands once per call by a parallel loop nest (their fused prologue evaluated once per
+element), or read in place."""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from kiln.codegen import ir
+from kiln.codegen.contexts import StageCtx
+from kiln.codegen.expr import (
+    Expr,
+    add,
+    const,
+    floordiv,
+    iconst,
+    imin,
+    index_compare,
+    mul,
+    select,
+    substitute,
+)
+from kiln.codegen.indexing import Index
+from kiln.codegen.gemm.blocking import round_up
+from kiln.codegen.gemm.spec import Contraction, constant_values, stride_of
+
+
+Operand = Callable[[Index, Expr, Expr], Expr]  # (batch index, row of A / column of B, k) -> value
+
+
+@dataclass(frozen=True)
+class Packed:
+    """Where the micro-kernel finds an operand: `buffer + offset(batch, k0, x0)` is the panel of
+    rows (A) or columns (B) from x0 at sum index k0, its rows `ld` elements apart."""
+
+    buffer: str
+    offset: Callable[[Expr, Expr, Expr], Expr]
+    ld: int
+
+
+def panel_layout(buffer: str, panels: int, k: int, unit: int) -> Packed:
+    """Panel layout: element (b, x, k) at ((b·panels + x // unit)·K + k)·unit + x % unit."""
+    return Packed(buffer, lambda b, k0, x0: mul(add(mul(add(mul(b, panels), floordiv(x0, unit)), k),
+                                                    k0), unit), unit)
+
+
+@dataclass(frozen=True)
+class OperandSide:
+    """One operand of the product as the packer sees it: its value at (batch index, row of A or
+    column of B, k), its batch shape, and its extent along the panel axis (M or N)."""
+
+    name: str
+    value: Operand
+    batch: tuple[int, ...]
+    extent: int
+
+    def probes(self, ctx: StageCtx, k: int) -> tuple[Expr, Expr, Expr, Expr]:
+        """(probe value, batch var, panel-axis var, k var)."""
+        pb = ctx.var("pb", max(math.prod(self.batch), 1))
+        px, pk = ctx.var("px", max(self.extent, 1)), ctx.var("pk", k)
+        return self.value(Index(self.batch, flat=pb), px, pk), pb, px, pk
+
+
+def constant_panels(ctx: StageCtx, spec: Contraction, side: OperandSide, unit: int) -> Packed | None:
+    """A constant operand (weights) packed at compile time in panels of `unit` rows of A
+    (columns of B), past the extent zero; None if the operand is not a constant."""
+    nb, panels = max(math.prod(side.batch), 1), -(-side.extent // unit)
+    probe, *probes = side.probes(ctx, spec.k)
+    grid = np.meshgrid(np.arange(nb), np.arange(panels * unit), np.arange(spec.k), indexing="ij")
+    clamped = [grid[0], np.minimum(grid[1], side.extent - 1), grid[2]]
+    values = constant_values(ctx, probe, tuple(probes), clamped)
+    if values is None:
+        return None
+    values = np.where(grid[1] < side.extent, values, 0).astype(values.dtype)
+    panelled = values.reshape(nb, panels, unit, spec.k).transpose(0, 1, 3, 2)
+    ctx.info[f"{side.name}_operand"] = "pre-packed constant"
+    return panel_layout(ctx.derived(np.ascontiguousarray(panelled)), panels, spec.k, unit)
+
+
+def scratch_panels(ctx: StageCtx, spec: Contraction, side: OperandSide, unit: int) -> Packed:
+    """The operand packed in panels (the layout of `_panels`, past the extent zero) once per call
+    by a parallel loop nest, which evaluates the operand's fused prologue once per element."""
+    nb, panels = max(math.prod(side.batch), 1), -(-side.extent // unit)
+    probe, _, px, _ = side.probes(ctx, spec.k)
+    total = nb * panels
+    name = ctx.scratch(spec.dtype, total * spec.k * unit)
+    q, r, k = ctx.var("q", total), ctx.var("r", unit), ctx.var("k", spec.k)
+    bb, panel = Index((nb, panels), flat=q).dims
+    x = add(mul(panel, unit), r)
+    element = side.value(Index(side.batch, flat=bb), imin(x, iconst(side.extent - 1)), k)
+    if side.extent % unit:
+        element = select(index_compare("lt", x, side.extent), element, const(0, spec.dtype))
+    store = ir.Store(name, add(mul(add(mul(q, spec.k), k), unit), r), element)
+    if stride_of(probe, px) == 1:  # contiguous along the panel axis: read along it
+        nest = ir.Loop(k, iconst(0), iconst(spec.k), [ir.Loop(r, iconst(0), iconst(unit), [store],
+                                                               simd=True)])
+    else:
+        nest = ir.Loop(r, iconst(0), iconst(unit), [ir.Loop(k, iconst(0), iconst(spec.k), [store],
+                                                            simd=True)])
+    ctx.stage(f"pack operand {side.name.upper()} of {ctx.op.id} in panels",
+              [ir.Loop(q, iconst(0), iconst(total), [nest], parallel=1)], total * spec.k * unit)
+    ctx.info[f"{side.name}_operand"] = "packed in scratch"
+    return panel_layout(name, panels, spec.k, unit)
+
+
+def b_rows(ctx: StageCtx, spec: Contraction, side: OperandSide, nr: int) -> Packed:
+    """B computed at run time, read by the micro-kernel as row-major rows of `ld` elements: in
+    place when it is a plain row-major load whose rows are whole panels, else copied once into
+    scratch rows padded to whole panels, by a loop nest along B's rows (an implicit-GEMM
+    convolution's im2col: contiguous along output pixels, its loops split by output row)."""
+    probe, pb, pj, pk = side.probes(ctx, spec.k)
+    nb = max(math.prod(spec.b_batch), 1)
+    row = stride_of(probe, pk)
+    if stride_of(probe, pj) == 1 and row is not None and row >= spec.n and spec.n % nr == 0:
+        offset = probe.args[0]
+        ctx.info["b_operand"] = "read in place"
+        return Packed(probe.name, lambda b, k0, j0: substitute(offset, {pb: b, pk: k0, pj: j0}), row)
+    ld = round_up(spec.n, nr)
+    name = ctx.scratch(spec.dtype, nb * spec.k * ld)
+    q, j = ctx.var("q", nb * spec.k), ctx.var("j", spec.n)
+    bb, k = Index((nb, spec.k), flat=q).dims
+    rows = [ir.Loop(j, iconst(0), iconst(spec.n), [
+        ir.Store(name, add(mul(q, ld), j), spec.b(Index(spec.b_batch, flat=bb), k, j))], simd=True)]
+    if ld > spec.n:  # the last panel's columns past N: zeros
+        pad = ctx.var("j", ld - spec.n, spec.n)
+        rows.append(ir.Loop(pad, iconst(spec.n), iconst(ld),
+                            [ir.Store(name, add(mul(q, ld), pad), const(0, spec.dtype))]))
+    ctx.stage(f"pack operand B of {ctx.op.id} in rows",
+              [ir.Loop(q, iconst(0), iconst(nb * spec.k), rows, parallel=1)], nb * spec.k * ld)
+    ctx.info["b_operand"] = "packed in scratch rows"
+    return Packed(name, lambda b, k0, j0: add(mul(add(mul(b, spec.k), k0), ld), j0), ld)

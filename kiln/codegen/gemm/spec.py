@@ -1,0 +1,82 @@
+"""A contraction C[b, i, j] = Σ_k A[b, i, k] · B[b, k, j] as the GEMM code sees it: operands and
+results as index functions, whatever op (MatMul, Gemm, Einsum, an implicit-GEMM convolution, a
+recurrence's gates) it comes from."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from kiln.codegen import ir
+from kiln.codegen.contexts import StageCtx
+from kiln.codegen.expr import (
+    Expr,
+    NotEvaluable,
+    add,
+    evaluate_index,
+    sub,
+    substitute,
+)
+from kiln.codegen.indexing import Index, broadcast
+
+
+AOperand = Callable[[Index, Expr, Expr], Expr]  # (A-batch index, i, k) -> value
+BOperand = Callable[[Index, Expr, Expr], Expr]  # (B-batch index, k, j) -> value
+
+
+@dataclass
+class Contraction:
+    batch: tuple[int, ...]  # output batch shape
+    m: int
+    n: int
+    k: int
+    a_batch: tuple[int, ...]
+    b_batch: tuple[int, ...]
+    a: AOperand
+    b: BOperand
+    out: Callable[[Expr, Expr, Expr], Index]  # (flat batch, i, j) -> output index
+    finish: Callable[[Expr, Expr, Expr, Expr], Expr]  # (sum, flat batch, i, j) -> result
+    dtype: str
+    # where results go when not to the op's output `out` (a kernel's private scratch):
+    # (flat batch, i, j, value) -> statements
+    store: Callable[[Expr, Expr, Expr, Expr], list[ir.Stmt]] | None = None
+
+
+def results(ctx: StageCtx, spec: Contraction, total: Expr, b: Expr, i: Expr,
+             j: Expr) -> list[ir.Stmt]:
+    value = spec.finish(total, b, i, j)
+    if spec.store is not None:
+        return spec.store(b, i, j, value)
+    return ctx.results({0: (spec.out(b, i, j), value)})
+
+
+def batch_of(spec: Contraction, b: Expr, shape: tuple[int, ...]) -> Index:
+    return broadcast(Index(spec.batch, flat=b), shape)
+
+
+def stride_of(e: Expr, v: Expr) -> int | None:
+    """If `e` is a buffer load, how far its offset moves when `v` grows by one."""
+    if e.op != "load":
+        return None
+    offset = e.args[0]
+    moved = substitute(offset, {v: add(v, 1)})
+    delta = sub(moved, offset)
+    return delta.value if delta.is_const else None
+
+
+def constant_values(ctx: StageCtx, probe: Expr, probes: tuple[Expr, ...],
+                    grid: list[np.ndarray]) -> np.ndarray | None:
+    """The elements a load `probe` of a constant reads at every point of `grid` (one array per
+    probe variable), gathered at compile time; None if `probe` is not such a load or its index
+    cannot be evaluated."""
+    if probe.op != "load" or probe.name not in ctx.graph.tensors:
+        return None
+    source = ctx.graph.tensors[probe.name]
+    if not source.is_constant:
+        return None
+    try:
+        offsets = evaluate_index(probe.args[0], dict(zip(probes, grid)))
+    except NotEvaluable:
+        return None
+    return source.data.reshape(-1)[np.broadcast_to(offsets, grid[0].shape)]
