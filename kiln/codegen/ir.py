@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from kiln.codegen.expr import Expr
-from kiln.codegen.gemm.microkernel import MicroKernel
+from kiln.codegen.microkernel import MicroKernel
 
 
 # How a parallel loop's work items are shared among workers: "even" — equal shares decided up
@@ -102,7 +102,7 @@ class If:
 
 @dataclass(eq=False)
 class MicroKernelCall:
-    """One register-blocked GEMM tile update (`kiln.codegen.gemm.microkernel`):
+    """One register-blocked GEMM tile update (`kiln.codegen.microkernel`):
     `kernel(kc, a + a_offset, b + b_offset, ldb, c + c_offset, ldc, accumulate)`. `a` and `b` are
     kernel buffers (packed weights or scratch), `c` a local array."""
 

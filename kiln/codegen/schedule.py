@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-from kiln.codegen.gemm.microkernel import tile_for
+from kiln.codegen.microkernel import tile_for
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class Schedule:
     conv_tile_w: int = 256
     # Packed GEMM (every contraction of at least `gemm_min_m` rows × `gemm_min_n` columns, convs
     # included): a register-blocked micro-kernel of `gemm_mr` rows × `gemm_nr` columns
-    # (0: chosen from the target's vector width, see `kiln.codegen.gemm.microkernel`) over packed
+    # (0: chosen from the target's vector width, see `kiln.codegen.microkernel`) over packed
     # operands; cache blocks of `gemm_mc` rows × `gemm_nc` columns × `gemm_kc` of the sum, one
     # block per parallel task. `vector_bytes` 0 means the target's widest vector.
     gemm_min_m: int = 4

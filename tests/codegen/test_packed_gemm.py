@@ -12,7 +12,7 @@ from onnx import helper
 from kiln import frontend
 from kiln.codegen import generate
 from kiln.codegen.gemm.blocking import blocking
-from kiln.codegen.gemm.microkernel import ISA_TILES, MicroKernel, tile_for, vector_extension_source
+from kiln.codegen.microkernel import ISA_TILES, MicroKernel, tile_for, vector_extension_source
 from kiln.codegen.schedule import Schedule
 from kiln.target import host_target
 from tests.codegen.harness import (

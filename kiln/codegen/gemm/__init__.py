@@ -1,4 +1,5 @@
 """GEMM code generation, shared by every op that contracts (MatMul, Gemm, Einsum, convolutions,
 recurrences, quantized products): `contraction.contraction` picks the loop nest for a
 `spec.Contraction`; the packed GotoBLAS GEMM (`packed`) with its blocking (`blocking`), operand
-packing (`packing`) and micro-kernel shapes (`microkernel`)."""
+packing (`packing`); the micro-kernel shapes are `kiln.codegen.microkernel`'s (the IR and the
+schedules name them too)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kiln.codegen.gemm.microkernel import MicroKernel
+from kiln.codegen.microkernel import MicroKernel
 
 
 @dataclass(frozen=True)

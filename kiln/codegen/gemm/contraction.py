@@ -7,7 +7,7 @@ Every contraction lowers to one loop nest over C[b, i, j] = Σ_k A[b, i, k] · B
   at compile time when constant (weights are pre-packed), else once per call by a parallel loop
   nest that evaluates the operand's fused prologue once per element (an implicit-GEMM
   convolution's im2col happens there). Each parallel task owns a cache block of `mc` rows ×
-  `nc` columns and runs the register-blocked micro-kernel (`kiln.codegen.gemm.microkernel`) over its
+  `nc` columns and runs the register-blocked micro-kernel (`kiln.codegen.microkernel`) over its
   panels for each slice of `kc` along the sum; each finished micro-tile goes through the fused
   epilogue straight into the outputs while it is in L1.
 * `ikj`: parallel over (batch, block of `matmul_tile_m` rows); for each column tile of

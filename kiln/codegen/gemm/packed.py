@@ -22,7 +22,7 @@ from kiln.codegen.expr import (
 )
 from kiln.codegen.indexing import Index
 from kiln.codegen.gemm.blocking import Blocking, blocking
-from kiln.codegen.gemm.microkernel import MicroKernel, tile_for
+from kiln.codegen.microkernel import MicroKernel, tile_for
 from kiln.codegen.gemm.packing import OperandSide, b_rows, constant_panels, scratch_panels
 from kiln.codegen.gemm.spec import Contraction, batch_of, results, stride_of
 

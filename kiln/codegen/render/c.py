@@ -4,7 +4,7 @@ OpenMP for parallel and vector loops, and GCC-vector-extension GEMM micro-kernel
 from __future__ import annotations
 
 from kiln.codegen import ir
-from kiln.codegen.gemm.microkernel import MicroKernel, vector_extension_source
+from kiln.codegen.microkernel import MicroKernel, vector_extension_source
 from kiln.codegen.render.cstyle import CStyleRenderer
 
 CHUNKS_PER_LOOP = 32  # "chunks" grain: dynamic chunks of about 1/32 of the iterations

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from kiln.codegen import cmath, ir
 from kiln.codegen.expr import BOOL, FLOAT_TYPES, INT_TYPES, SIGNED_TYPES, Expr
-from kiln.codegen.gemm.microkernel import MicroKernel
+from kiln.codegen.microkernel import MicroKernel
 
 C_TYPES = {
     "float32": "float", "float64": "double", "bool": "uint8_t",
