@@ -16,7 +16,6 @@ is faster end to end.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
