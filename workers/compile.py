@@ -248,7 +248,7 @@ def run_job(settings: Settings, db: Database, job_id: str, worker: str,
             raise JobAborted(job_id) from None
         if "profile_answers" in report:
             log.info("job %s: profile answers %s", job_id, report.pop("profile_answers"))
-        lookups = report.pop("profile_lookups")
+        lookups = report.pop("profile_lookups", [])  # a compile that asked the store nothing
         seconds = recorder.seconds()
         if beat.lost.is_set():
             raise JobAborted(job_id)
