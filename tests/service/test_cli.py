@@ -176,8 +176,10 @@ def test_jobs_status_cancel_and_download(served, tmp_path):
     assert "Traceback" not in late.stderr
     missing = _kiln_as_user(served, "status", "f" * 32)
     assert missing.returncode != 0 and "no job" in missing.stderr
-    busy, queued = (_kiln_as_user(served, "submit", str(ZOO / f"{name}.onnx")).stdout.strip()
-                    for name in ("mobilenetv2", "bert-base"))  # one worker process: one waits
+    # one compile process: a job tuning for minutes keeps it busy, so the next one waits
+    busy = _kiln_as_user(served, "submit", str(ZOO / "mobilenetv2.onnx"), "--tune", "full",
+                         "--tune-budget", "600").stdout.strip()
+    queued = _kiln_as_user(served, "submit", str(ZOO / "bert-base.onnx")).stdout.strip()
     cancelled = _kiln_as_user(served, "cancel", queued)
     assert cancelled.returncode == 0 and f"job {queued}: cancelled" in cancelled.stdout
     _kiln_as_user(served, "cancel", busy)
