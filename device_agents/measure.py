@@ -16,6 +16,8 @@ when it is a bounded, well-formed report for exactly the manifest's kernels, wit
 finite, > 0 and < MAX_LATENCY_S. Each of `repeats` runner invocations gives one sample per kernel
 (the runner's median over `runs` timed runs) and, from runners that print them (`samples_ns`, up to
 100 runs), the kernel's time in every run; older runners' reports without them are still accepted.
+Likewise `peak_rss_bytes`, the runner process's peak resident memory: the measurement keeps the
+largest over the invocations, or None when a runner (built before it was printed) lacks it.
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ from device_agents.facts import HardwareFacts
 from device_agents.protocol import (
     MAX_KERNELS,
     MAX_LATENCY_S,
+    MAX_PEAK_RSS_BYTES,
     MAX_REPEATS,
     MAX_RUN_SAMPLES,
     MAX_RUNS,
@@ -83,6 +86,7 @@ class RunnerReport:
     total: LatencySummary
     kernel_seconds: tuple[float, ...]  # per manifest kernel, in order
     kernel_runs: tuple[tuple[float, ...], ...] = ()  # per kernel, every run's time (when printed)
+    peak_rss_bytes: int | None = None  # the process's peak resident memory (when printed)
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,7 @@ class Measurement:
     artifact_hash: str
     bundle_id: str
     emulated: bool
+    peak_rss_bytes: int | None = None  # the largest of the invocations' (None: not reported)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -227,6 +232,8 @@ def parse_runner_output(stdout: str, manifest: dict[str, Any], runs: int,
     if not isinstance(data, dict):
         raise MeasurementError("the runner's report is not a JSON object")
     threads = _count(data, "threads", 0, 1024)
+    peak_rss = (_count(data, "peak_rss_bytes", 1, MAX_PEAK_RSS_BYTES)
+                if "peak_rss_bytes" in data else None)
     if _count(data, "runs", 1, MAX_RUNS) != runs or _count(data, "warmup", 0, MAX_RUNS) != warmup:
         raise MeasurementError(f"the runner's report has runs={data['runs']} warmup="
                                f"{data['warmup']}; asked for runs={runs} warmup={warmup}")
@@ -272,7 +279,7 @@ def parse_runner_output(stdout: str, manifest: dict[str, Any], runs: int,
                                    for j, v in enumerate(samples)))
     if every_run and len(every_run) != len(expected):
         raise MeasurementError("the runner's report gives samples_ns for some kernels only")
-    return RunnerReport(threads, runs, warmup, summary, tuple(seconds), tuple(every_run))
+    return RunnerReport(threads, runs, warmup, summary, tuple(seconds), tuple(every_run), peak_rss)
 
 
 async def measure(backend: DeviceBackend, facts: HardwareFacts, artifact: Artifact, *,
@@ -296,6 +303,7 @@ async def measure(backend: DeviceBackend, facts: HardwareFacts, artifact: Artifa
                                    f"{detail}")
         reports.append(parse_runner_output(out, artifact.manifest, runs, warmup))
     per_run = all(r.kernel_runs for r in reports)
+    peak_rss = [r.peak_rss_bytes for r in reports]
     kernels = [KernelSamples(symbol=k["symbol"], block=k["block"],
                              samples_s=[r.kernel_seconds[i] for r in reports],
                              run_samples_s=[s for r in reports for s in r.kernel_runs[i]]
@@ -305,4 +313,5 @@ async def measure(backend: DeviceBackend, facts: HardwareFacts, artifact: Artifa
         kernels=kernels, totals=[r.total for r in reports], threads=reports[-1].threads,
         runs=runs, warmup=warmup, runner_version=f"kiln-runner {artifact.manifest['kiln_version']}",
         runner_sha256=bundle.hashes[RUNNER_NAME], artifact_hash=artifact.manifest["content_hash"],
-        bundle_id=bundle.id, emulated=facts.emulated)
+        bundle_id=bundle.id, emulated=facts.emulated,
+        peak_rss_bytes=max(peak_rss) if None not in peak_rss else None)

@@ -26,7 +26,8 @@ wrong token gets 401. Bodies are JSON of the models below; errors are non-2xx st
 
 Limits are part of the contract and enforced by these models on both sides: latencies are finite,
 > 0 and < MAX_LATENCY_S seconds; at most MAX_KERNELS kernels, MAX_REPEATS samples per kernel,
-MAX_RUN_SAMPLES per-run samples per kernel and MAX_TOTAL_RUN_SAMPLES in one result.
+MAX_RUN_SAMPLES per-run samples per kernel and MAX_TOTAL_RUN_SAMPLES in one result; a peak
+resident memory, when given, is in [1, MAX_PEAK_RSS_BYTES].
 """
 from __future__ import annotations
 
@@ -58,6 +59,7 @@ MAX_RUNS = 100_000
 MAX_REPEATS = 100
 MAX_RUN_SAMPLES = 1000  # per-run samples of one kernel in one result
 MAX_TOTAL_RUN_SAMPLES = 1_000_000  # per-run samples of all kernels in one result
+MAX_PEAK_RSS_BYTES = 1 << 42  # a runner's peak resident memory: 4 TiB is beyond any device
 MAX_TASKS_PER_CLAIM = 64
 MAX_ERROR_CHARS = 4000
 
@@ -178,6 +180,9 @@ class ResultUpload(_Model):
     artifact_hash: Sha256 | None = None  # the artifact manifest's content_hash
     bundle_id: Sha256 | None = None
     emulated: bool = False  # measured on an emulator: not the hardware's speed
+    # the runner process's peak resident memory, the largest of its invocations (None: a runner
+    # built before runners reported it)
+    peak_rss_bytes: int | None = Field(None, ge=1, le=MAX_PEAK_RSS_BYTES)
 
     @field_validator("error")
     @classmethod

@@ -75,7 +75,7 @@ def run_profile(settings: Settings, db: Database, run_id: str) -> str:
         with tempfile.TemporaryDirectory(prefix="kiln-profile-", dir=storage.tmp) as tmp:
             m = _measure(path, Path(tmp), run)
         result = runs.result_of(manifest, kernels, blocks, device, m.kernels, m.totals,
-                                m.threads, m.emulated)
+                                m.threads, m.emulated, m.peak_rss_bytes)
         entries = [NewEntry(k["signature"], k["schedule"],
                             Summary(k["median_s"], k["p10_s"], k["p90_s"], k["n"]),
                             toolchain=manifest["target"]["cc"],

@@ -11,12 +11,16 @@
  *   -o DIR       write the outputs of the last run to DIR/output_<i>.npy (the folder must exist)
  *
  * Prints one JSON object on stdout:
- *   {"threads": T, "warmup": W, "runs": N,
+ *   {"threads": T, "warmup": W, "runs": N, "peak_rss_bytes": R,
  *    "latency_ns": {"median": …, "p10": …, "p90": …, "min": …, "max": …},
  *    "kernels": [{"index": i, "symbol": "k0_add", "block": "b0", "median_ns": …, "p10_ns": …,
  *                 "p90_ns": …, "samples_ns": [run 0, run 1, …]}, …]}
  * Each kernel's "samples_ns" lists its time in every timed run, in run order, when RUNS is at most
  * MAX_PRINTED_SAMPLES; with more runs it is left out (median, p10 and p90 are always there).
+ * "peak_rss_bytes" is the process's peak resident set size after the last run (VmHWM of
+ * /proc/self/status): the measured counterpart of the manifest's planned peak_memory_bytes, plus
+ * the runner's code and the C runtime; it is left out where /proc cannot be read. Not getrusage's
+ * ru_maxrss: Linux carries that over exec from the process that forked the runner.
  * Exit status: 0 on success, 2 for bad arguments or input files, 1 when the model fails.
  */
 #include "kiln_model.h"
@@ -51,6 +55,18 @@ static long parse_count(const char *text, const char *what, long minimum) {
     if (errno || *end || end == text || value < minimum || value > 1000000000L)
         die(2, "%s must be an integer >= %ld, got '%s'", what, minimum, text);
     return value;
+}
+
+/* The peak resident set size of this process in bytes, or 0 when /proc/self/status lacks it. */
+static unsigned long long peak_rss_bytes(void) {
+    char line[256];
+    unsigned long long kib = 0;
+    FILE *f = fopen("/proc/self/status", "r");
+    if (!f) return 0;
+    while (fgets(line, sizeof line, f))
+        if (sscanf(line, "VmHWM: %llu kB", &kib) == 1) break;
+    fclose(f);
+    return kib * 1024u;
 }
 
 static void *alloc_buffer(size_t nbytes) {
@@ -205,6 +221,7 @@ int main(int argc, char **argv) {
     char error[512];
     void **inputs, **outputs;
     uint64_t *totals, *kernel_ns, *per_run, *column;
+    unsigned long long rss;
     kiln_model *model;
     int opt, i, k;
     long r;
@@ -259,8 +276,11 @@ int main(int argc, char **argv) {
         for (i = 0; i < kiln_model_num_outputs; i++)
             write_npy(out_dir, i, &kiln_model_outputs[i], outputs[i]);
 
-    printf("{\"threads\": %d, \"warmup\": %ld, \"runs\": %ld, \"latency_ns\": {",
-           kiln_model_threads(model), warmup, runs);
+    rss = peak_rss_bytes();
+    printf("{\"threads\": %d, \"warmup\": %ld, \"runs\": %ld, ", kiln_model_threads(model),
+           warmup, runs);
+    if (rss) printf("\"peak_rss_bytes\": %llu, ", rss);
+    printf("\"latency_ns\": {");
     printf("\"median\": %llu, ", (unsigned long long)quantile(totals, (size_t)runs, 0.5));
     printf("\"p10\": %llu, ", (unsigned long long)quantile(totals, (size_t)runs, 0.1));
     printf("\"p90\": %llu, ", (unsigned long long)quantile(totals, (size_t)runs, 0.9));

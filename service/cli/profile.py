@@ -73,4 +73,7 @@ def format_profile(run: dict[str, Any]) -> str:
     peak = result["memory"].get("peak_bytes")
     if peak is not None:
         lines.append(f"peak tensor memory (the artifact's memory plan): {peak / 1024:.1f} KiB")
+    rss = result["memory"].get("measured_peak_rss_bytes")
+    if rss is not None:
+        lines.append(f"peak resident memory (measured, the runner process): {rss / 1024:.1f} KiB")
     return "\n".join(lines)

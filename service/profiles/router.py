@@ -55,8 +55,8 @@ def start_profile(job_id: str, body: runs.ProfileCreate, request: Request, respo
                   tenant: Tenant, db: DB, storage: Store):
     """Runs the artifact on an online device matching `device` (through its agent; a host-target
     job with no matching agent device runs on a worker's CPU) and records per-kernel latencies
-    with percentiles, the end-to-end latency and the memory plan's peak. Follow it at
-    `GET /v1/jobs/{id}/profile/{run id}`."""
+    with percentiles, the end-to-end latency, the memory plan's peak and the runner's measured
+    peak resident memory. Follow it at `GET /v1/jobs/{id}/profile/{run id}`."""
     run = runs.start(db, storage, tenant, job_id, body)
     if run.via == runs.WORKER:
         try:

@@ -4,8 +4,9 @@
 matches the selector gets a measurement task for the whole artifact, pinned to its device class;
 with none, a host-target job runs on a worker's own CPU (workers.profile_jobs). The result —
 per-kernel latency summaries (median, p10, p90 over every timed run), the end-to-end latency of
-the runner's invocations and the artifact's planned peak memory — is kept on the run, and each
-kernel's summary also becomes a profile entry of that device class.
+the runner's invocations, the artifact's planned peak memory and the runner's measured peak
+resident memory — is kept on the run, and each kernel's summary also becomes a profile entry of
+that device class.
 """
 from __future__ import annotations
 
@@ -74,7 +75,8 @@ class ProfileRunOut(BaseModel):
     error: str | None
     result: dict[str, Any] | None = Field(description=(
         "device, kernels [{symbol, block, name, signature, median_s, p10_s, p90_s, n}], "
-        "total {median_s, p10_s, p90_s, min_s, max_s}, memory {peak_bytes, …}"))
+        "total {median_s, p10_s, p90_s, min_s, max_s}, memory {peak_bytes (planned), "
+        "measured_peak_rss_bytes (null from runners built before it was reported), …}"))
     created_at: Any
     finished_at: Any | None
 
@@ -177,11 +179,13 @@ def total_row(totals: list[p.LatencySummary]) -> dict[str, float]:
             "min_s": min(t.min_s for t in totals), "max_s": max(t.max_s for t in totals)}
 
 
-def memory_row(manifest: dict[str, Any]) -> dict[str, Any]:
-    """The artifact's memory plan: the runner allocates exactly this, so it is the run's peak of
-    tensor memory (the process adds its code and the C runtime)."""
+def memory_row(manifest: dict[str, Any], peak_rss_bytes: int | None) -> dict[str, Any]:
+    """The artifact's memory plan (the runner allocates exactly this, so it is the run's peak of
+    tensor memory) beside the runner process's measured peak resident memory (the plan plus its
+    code and the C runtime; the largest of its invocations)."""
     memory = manifest.get("memory") or {}
-    return {"peak_bytes": manifest.get("peak_memory_bytes"), **memory}
+    return {"peak_bytes": manifest.get("peak_memory_bytes"), **memory,
+            "measured_peak_rss_bytes": peak_rss_bytes}
 
 
 def device_row(device: Device) -> dict[str, Any]:
@@ -191,11 +195,12 @@ def device_row(device: Device) -> dict[str, Any]:
 
 def result_of(manifest: dict[str, Any], kernels: list[dict[str, Any]],
               blocks: dict[str, dict[str, Any]], device: Device, kernel_samples: list,
-              totals: list, threads: int, emulated: bool) -> dict[str, Any]:
+              totals: list, threads: int, emulated: bool,
+              peak_rss_bytes: int | None) -> dict[str, Any]:
     samples = {k.block: list(k.run_samples_s) or list(k.samples_s) for k in kernel_samples}
     return {"device": device_row(device), "kernels": kernel_rows(kernels, blocks, samples),
-            "total": total_row(totals), "memory": memory_row(manifest), "threads": threads,
-            "emulated": emulated}
+            "total": total_row(totals), "memory": memory_row(manifest, peak_rss_bytes),
+            "threads": threads, "emulated": emulated}
 
 
 def absorb_task_result(s: Session, task: MeasurementTask, device: Device,
@@ -221,7 +226,8 @@ def absorb_task_result(s: Session, task: MeasurementTask, device: Device,
             manifest = {}
     run.state, run.error = DONE, None
     run.result = result_of(manifest, kernels, blocks, device, list(body.kernels),
-                           list(body.totals), body.threads, body.emulated)
+                           list(body.totals), body.threads, body.emulated,
+                           body.peak_rss_bytes)
 
 
 def sync(db: Database, run: ProfileRun) -> ProfileRun:

@@ -49,6 +49,8 @@ def check_measurement(m, artifact, repeats: int) -> None:
     assert len(m.totals) == repeats
     assert m.artifact_hash == artifact.manifest["content_hash"]
     assert m.runner_sha256 == artifact.manifest["files"]["bin/kiln-runner"]
+    # the runner's own peak resident memory: the plan's tensors plus its code, not gigabytes
+    assert artifact.manifest["peak_memory_bytes"] < m.peak_rss_bytes < 1 << 30
 
 
 def test_measure_locally_and_reuse_the_bundle(host_artifact, tmp_path):
@@ -233,6 +235,18 @@ def test_per_run_samples_are_parsed_and_checked(host_artifact):
     del partial["kernels"][1]["samples_ns"]
     with pytest.raises(MeasurementError, match="some kernels only"):
         parse_runner_output(json.dumps(partial), manifest, 5, 2)
+
+
+def test_peak_resident_memory_is_parsed_when_printed_and_checked(host_artifact):
+    manifest = host_artifact.manifest
+    printed = {**good_report(manifest), "peak_rss_bytes": 3_145_728}
+    assert parse_runner_output(json.dumps(printed), manifest, 5, 2).peak_rss_bytes == 3_145_728
+    # a runner built before it printed the figure: accepted, the figure unknown
+    assert parse_runner_output(json.dumps(good_report(manifest)), manifest, 5, 2) \
+        .peak_rss_bytes is None
+    for value in (0, -4096, "3145728", True, 1.5e6, 1 << 50):
+        with pytest.raises(MeasurementError, match="peak_rss_bytes is .*not an integer in"):
+            parse_runner_output(json.dumps({**printed, "peak_rss_bytes": value}), manifest, 5, 2)
 
 
 def edit(report: dict, path: tuple, value) -> str:

@@ -26,7 +26,7 @@ from kiln.runtime.artifact import (
 from kiln.runtime.execute import run_runner
 from kiln.target import target
 from tests.runtime.conftest import cross_toolchain_missing
-from tests.runtime.handmade import Handmade, mlp
+from tests.runtime.handmade import Handmade, chain, mlp
 
 X = np.random.default_rng(7).normal(size=(4, 8)).astype(np.float32)
 
@@ -105,6 +105,22 @@ def test_runner_prints_timings_and_writes_the_same_outputs(mlp_artifact, mlp_mod
     in_process = kiln.load(str(mlp_artifact)).run(X)
     for a, b in zip(result.outputs, in_process):
         np.testing.assert_array_equal(a, b)
+
+
+def test_runner_reports_its_measured_peak_resident_memory(tmp_path):
+    """The runner touches every planned byte (inputs, outputs, arena), so its peak RSS is at least
+    the plan's peak, with only its code and the C runtime on top — not the Python process that
+    started it (getrusage's ru_maxrss would report that one's size)."""
+    model = chain(4, size=2_000_000)  # 8 MB tensors: 16 MB of input and output, 16 MB of arena
+    path = tmp_path / "chain.kiln"
+    build_artifact(model.plan, model.kernels, target("host"), {"model": "chain"}, path)
+    artifact = open_artifact(path)
+    x = np.random.default_rng(0).normal(size=2_000_000).astype(np.float32)
+    result = run_runner(artifact, {"x": x}, runs=2, warmup=0, threads=1)
+    np.testing.assert_array_equal(result.outputs[0], model.reference(x)["y"])
+    planned = artifact.manifest["peak_memory_bytes"]
+    assert planned >= 32_000_000
+    assert planned <= result.timing["peak_rss_bytes"] < planned + 16 * 2**20
 
 
 def test_runner_threads_default_to_the_environment(mlp_artifact, tmp_path):

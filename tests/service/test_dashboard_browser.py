@@ -15,7 +15,7 @@ import httpx
 import onnx
 import pytest
 
-from service.dashboard.router import duration
+from service.dashboard.router import _bytes, duration
 from tests.service.stack import REPO, EmbeddedStack, kiln_cli
 from tests.service.test_farm_api import mlp_model
 
@@ -167,6 +167,9 @@ def test_profile_on_the_local_agent_shows_latency_bars(site, browser):
     for row, kernel in zip(rows, run["result"]["kernels"]):
         assert row.find_element("css selector", ".bar-value").text == duration(kernel["median_s"])
     assert "browser-cpu" in css(browser, "#profile-runs")[0].text
+    rss = run["result"]["memory"]["measured_peak_rss_bytes"]
+    assert run["result"]["memory"]["peak_bytes"] < rss  # the planned tensors plus the runner
+    assert css(browser, "#profile-rss")[0].text == _bytes(rss)
     width = css(browser, "#latency-bars .bar-median")[0].size["width"]
     assert width > 0  # the script sized the bar
     shot(browser, "job-profile")

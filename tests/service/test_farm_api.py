@@ -193,6 +193,8 @@ def _check_run(run: dict, manifest: dict, runs: int, repeats: int) -> None:
     total = result["total"]
     assert 0 < total["min_s"] <= total["median_s"] <= total["max_s"]
     assert result["memory"]["peak_bytes"] == manifest["peak_memory_bytes"]
+    # measured by the runner: the planned tensors plus its code and the C runtime, not gigabytes
+    assert manifest["peak_memory_bytes"] < result["memory"]["measured_peak_rss_bytes"] < 1 << 30
 
 
 def test_profile_job_on_an_agent_device_and_on_the_worker_cpu(farm):
@@ -229,6 +231,7 @@ def test_profile_job_on_an_agent_device_and_on_the_worker_cpu(farm):
                    "profile", job_id, "--device", "transport:worker", "--runs", "3",
                    "--repeats", "1", "--wait")
     assert manifest["kernels"][0]["symbol"] in out and "end to end: median" in out
+    assert "peak resident memory (measured, the runner process):" in out
 
     # the kernels became profile entries of both device classes, linked to the tenant's job
     entries = farm.http.get("/v1/profiles", params={"job": job_id, "limit": 1000}).json()
