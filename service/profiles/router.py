@@ -13,6 +13,7 @@ from service.profiles import library, runs
 router = APIRouter(tags=["profiles"], responses=PROBLEM_RESPONSES,
                    dependencies=[Depends(rate_limited)])
 _CONFLICT = {409: PROBLEM_RESPONSES[422] | {"description": "not possible in the job's state"}}
+_PROFILE = _CONFLICT | {410: PROBLEM_RESPONSES[422] | {"description": "the artifact is no longer stored"}}
 
 
 @router.get("/v1/profiles", response_model=library.EntryPage, summary="Search profile entries")
@@ -50,7 +51,7 @@ def job_plan(job_id: str, tenant: Tenant, db: DB):
 
 
 @router.post("/v1/jobs/{job_id}/profile", status_code=202, response_model=runs.ProfileRunOut,
-             responses=_CONFLICT, summary="Run a job's compiled model on a device")
+             responses=_PROFILE, summary="Run a job's compiled model on a device")
 def start_profile(job_id: str, body: runs.ProfileCreate, request: Request, response: Response,
                   tenant: Tenant, db: DB, storage: Store):
     """Runs the artifact on an online device matching `device` (through its agent; a host-target

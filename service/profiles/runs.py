@@ -94,6 +94,19 @@ def artifact_kernels(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
                       for k in manifest["kernels"]]
 
 
+def stored_artifact_kernels(path: Path, job_id: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """`artifact_kernels` of a job's stored artifact; 410 when it is gone, 409 when unreadable."""
+    if not path.is_file():
+        raise APIError(410, "Gone", f"the artifact of job {job_id} is no longer stored; submit "
+                       "the job again to rebuild it")
+    try:
+        return artifact_kernels(path)
+    except (zipfile.BadZipFile, KeyError, ValueError) as exc:
+        raise APIError(409, "Conflict", f"the artifact of job {job_id} cannot be read "
+                       f"({type(exc).__name__}: {exc}); submit the job again to rebuild it"
+                       ) from None
+
+
 def block_info(db: Database, job_id: str) -> dict[str, dict[str, Any]]:
     with db.read() as s:
         plan = s.get(JobPlan, job_id)
@@ -129,7 +142,7 @@ def start(db: Database, storage: Storage, tenant_id: str, job_id: str,
           body: ProfileCreate) -> ProfileRun:
     job, artifact = _job_artifact(db, tenant_id, job_id)
     selector = sel.parse(body.device)
-    manifest, kernels = artifact_kernels(storage.resolve(artifact.path))
+    manifest, kernels = stored_artifact_kernels(storage.resolve(artifact.path), job_id)
     blocks = block_info(db, job_id)
     found = candidates(db, selector, manifest)
     run = ProfileRun(job_id=job.id, tenant_id=tenant_id, selector=str(selector), state=QUEUED,

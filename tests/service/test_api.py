@@ -310,6 +310,19 @@ def test_an_artifact_missing_from_storage_is_gone(api):
     assert client.get(f"/v1/jobs/{job_id}").json()["state"] == "succeeded"
 
 
+def test_profiling_a_missing_or_damaged_artifact_says_so(api):
+    """The OpenAPI fuzz test found a 500: POST /v1/jobs/{id}/profile opened the stored artifact
+    as a zip without checking it is there and readable."""
+    from tests.service.conftest import finish_job
+
+    client, settings, _, _ = api
+    job_id = client.post("/v1/jobs", json={"model_id": _model_id(client)}).json()["id"]
+    stored = finish_job(settings, job_id, b"not a kiln archive")
+    refused(client.post(f"/v1/jobs/{job_id}/profile", json={}), 409, job_id, "cannot be read")
+    stored.unlink()
+    refused(client.post(f"/v1/jobs/{job_id}/profile", json={}), 410, job_id, "no longer stored")
+
+
 def _with_input_dims(dims: list) -> onnx.ModelProto:
     model = add_model("Relu")
     for value in (model.graph.input[0], model.graph.output[0]):
