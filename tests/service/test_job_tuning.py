@@ -29,7 +29,7 @@ from workers.compile import run_job
 from workers.profile_store import DatabaseProfileStore
 
 TINYBERT = Path(__file__).resolve().parents[1] / "fixtures" / "zoo" / "tinybert.onnx"
-BUDGET_S = 3.0
+BUDGET_S = 10.0  # 3 s measured nothing when the machine was loaded (building the candidates ate it)
 
 
 @pytest.fixture
