@@ -1,6 +1,9 @@
 """Fixtures of the service tests: an in-process app on a fresh SQLite (or PostgreSQL) database."""
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from pathlib import Path
 
 import numpy as np
@@ -63,9 +66,10 @@ def settings(tmp_path) -> Settings:
     return Settings(data_dir=tmp_path / "data", max_upload_bytes=1 << 20)
 
 
-@pytest.fixture
-def api(settings):
-    """(TestClient, settings, dispatcher, keys by tenant) on a fresh SQLite database."""
+@contextmanager
+def two_tenant_app(settings, **client_options) -> Iterator[tuple]:
+    """(TestClient, database, keys by tenant, dispatcher): the app on a fresh database with the
+    tenants acme and globex, queueing into a RecordingDispatcher."""
     upgrade(settings.database_url)
     db = database(settings.database_url)
     keys = {}
@@ -74,9 +78,16 @@ def api(settings):
         keys[name] = create_key(db, name)
     app = create_app(settings)
     app.state.dispatcher = RecordingDispatcher()
-    with TestClient(app, raise_server_exceptions=False) as client:
+    with TestClient(app, raise_server_exceptions=False, **client_options) as client:
+        yield client, db, keys, app.state.dispatcher
+
+
+@pytest.fixture
+def api(settings):
+    """(TestClient, settings, dispatcher, keys by tenant) on a fresh SQLite database."""
+    with two_tenant_app(settings) as (client, _db, keys, dispatcher):
         client.headers["Authorization"] = f"Bearer {keys['acme']}"
-        yield client, settings, app.state.dispatcher, keys
+        yield client, settings, dispatcher, keys
 
 
 def save(model: onnx.ModelProto, path: Path) -> Path:

@@ -5,32 +5,21 @@ from __future__ import annotations
 import re
 
 import pytest
-from fastapi.testclient import TestClient
 from sqlalchemy import update
 
-from service.app import create_app
-from service.db import database, utcnow
+from service.db import utcnow
 from service.jobs.schemas import JobCreate
 from service.jobs.service import create as create_job
-from service.migrate import upgrade
 from service.models.tables import ModelRecord
-from service.tenants.service import create_key, create_tenant, find_tenant
+from service.tenants.service import find_tenant
 from service.tenants.tables import ApiKey
-from tests.service.conftest import RecordingDispatcher
+from tests.service.conftest import two_tenant_app
 
 
 @pytest.fixture
 def site(settings):
-    upgrade(settings.database_url)
-    db = database(settings.database_url)
-    keys = {}
-    for name in ("acme", "globex"):
-        create_tenant(db, name)
-        keys[name] = create_key(db, name)
-    app = create_app(settings)
-    app.state.dispatcher = RecordingDispatcher()
-    with TestClient(app, base_url="https://testserver", raise_server_exceptions=False) as client:
-        yield client, db, keys, app.state.dispatcher
+    with two_tenant_app(settings, base_url="https://testserver") as (client, db, keys, dispatcher):
+        yield client, db, keys, dispatcher
 
 
 def csrf_of(html: str) -> str:
