@@ -19,6 +19,7 @@ from sqlalchemy.engine import make_url
 from service.db import Database, utcnow
 from service.devices import selector as sel
 from service.devices.farm import devices_by_fingerprint, fingerprints_matching
+from service.jobs import service as job_service
 from service.jobs.tables import Job
 from service.problems import APIError
 from service.profiles.tables import (
@@ -93,17 +94,9 @@ def op_types(description: str | None) -> list[str]:
         return []
 
 
-def _own_job(db: Database, tenant_id: str, job_id: str) -> Job:
-    with db.read() as s:
-        job = s.get(Job, job_id)
-    if job is None or job.tenant_id != tenant_id:
-        raise APIError(404, "Not Found", f"no job with id {job_id!r}")
-    return job
-
-
 def job_signatures(db: Database, tenant_id: str, job_id: str) -> set[str]:
     """Kernel signatures a job of the tenant looked up or compiled into blocks."""
-    _own_job(db, tenant_id, job_id)
+    job_service.get(db, tenant_id, job_id)  # 404 unless it is the tenant's
     with db.read() as s:
         looked = set(s.scalars(select(JobLookup.signature).where(JobLookup.job_id == job_id)))
         plan = s.get(JobPlan, job_id)
@@ -195,7 +188,7 @@ def summary(db: Database) -> Summary:
 
 def plan(db: Database, tenant_id: str, job_id: str) -> dict[str, Any]:
     """The job's fusion plan graph with its profile lookups and their answers."""
-    job = _own_job(db, tenant_id, job_id)
+    job, _ = job_service.get(db, tenant_id, job_id)
     with db.read() as s:
         row = s.get(JobPlan, job_id)
         lookups = list(s.scalars(select(JobLookup).where(JobLookup.job_id == job_id)

@@ -27,6 +27,7 @@ from service.db import Database, utcnow
 from service.devices import selector as sel
 from service.devices import service as devices
 from service.devices.tables import Device, MeasurementTask
+from service.jobs import service as job_service
 from service.jobs.tables import SUCCEEDED, Artifact, Job
 from service.problems import APIError
 from service.profiles.service import NewEntry, summarize
@@ -119,11 +120,7 @@ def block_info(db: Database, job_id: str) -> dict[str, dict[str, Any]]:
 # --- starting a run ------------------------------------------------------------------------------
 
 def _job_artifact(db: Database, tenant_id: str, job_id: str) -> tuple[Job, Artifact]:
-    with db.read() as s:
-        job = s.get(Job, job_id)
-        if job is None or job.tenant_id != tenant_id:
-            raise APIError(404, "Not Found", f"no job with id {job_id!r}")
-        artifact = s.scalars(select(Artifact).where(Artifact.job_id == job_id)).first()
+    job, artifact = job_service.get(db, tenant_id, job_id)
     if job.state != SUCCEEDED or artifact is None:
         raise APIError(409, "Conflict", f"job {job_id} is {job.state}: only a succeeded job's "
                        "artifact can be profiled")
@@ -261,7 +258,7 @@ def sync(db: Database, run: ProfileRun) -> ProfileRun:
 
 
 def list_runs(db: Database, tenant_id: str, job_id: str) -> list[ProfileRun]:
-    _job_of(db, tenant_id, job_id)
+    job_service.get(db, tenant_id, job_id)  # 404 unless it is the tenant's
     with db.read() as s:
         runs = list(s.scalars(select(ProfileRun).where(ProfileRun.job_id == job_id)
                               .order_by(ProfileRun.created_at.desc(), ProfileRun.id)))
@@ -269,20 +266,12 @@ def list_runs(db: Database, tenant_id: str, job_id: str) -> list[ProfileRun]:
 
 
 def get_run(db: Database, tenant_id: str, job_id: str, run_id: str) -> ProfileRun:
-    _job_of(db, tenant_id, job_id)
+    job_service.get(db, tenant_id, job_id)  # 404 unless it is the tenant's
     with db.read() as s:
         run = s.get(ProfileRun, run_id)
     if run is None or run.job_id != job_id:
         raise APIError(404, "Not Found", f"job {job_id} has no profile run {run_id!r}")
     return sync(db, run)
-
-
-def _job_of(db: Database, tenant_id: str, job_id: str) -> Job:
-    with db.read() as s:
-        job = s.get(Job, job_id)
-    if job is None or job.tenant_id != tenant_id:
-        raise APIError(404, "Not Found", f"no job with id {job_id!r}")
-    return job
 
 
 # --- the worker's side ---------------------------------------------------------------------------
