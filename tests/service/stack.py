@@ -75,19 +75,22 @@ class Stack:
         self.processes[name] = process
         return process
 
-    def wait_ready(self, timeout: float = 90) -> None:
+    def wait_ready(self, timeout: float = 90, url: str | None = None) -> None:
+        """Until `url` (default the stack's API) answers its health check; a process of the stack
+        that exits meanwhile is an error."""
+        url = url or self.url
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for name, p in self.processes.items():
                 if p.poll() is not None:
                     raise RuntimeError(f"{name} exited {p.returncode}:\n{self.log(name)[-3000:]}")
             try:
-                if httpx.get(f"{self.url}/v1/health", timeout=2).status_code == 200:
+                if httpx.get(f"{url}/v1/health", timeout=2).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
-        raise TimeoutError(f"no answer at {self.url} after {timeout} s")
+        raise TimeoutError(f"no answer at {url} after {timeout} s")
 
     def log(self, name: str) -> str:
         path = self.folder / f"{name}.log"

@@ -46,25 +46,12 @@ def scaleout(tmp_path_factory):
         stack.spawn("api2", [sys.executable, "-m", "uvicorn", "--factory", "service.app:create_app",
                              "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"])
         stack.urls = [stack.url, f"http://127.0.0.1:{port}"]
-        for base in stack.urls:
-            _wait_health(base)
+        stack.wait_ready(url=stack.urls[1])
         stack.api_key = stack.create_key("acme")
         yield stack
     finally:
         stack.stop()
         drop_database(url)
-
-
-def _wait_health(base: str) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{base}/v1/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(base)
 
 
 def _refill() -> None:
