@@ -70,3 +70,18 @@ def test_fusion_share_counts_only_models_with_removable_time() -> None:
     assert fusion_share(10.0, 6.0, 7.0) == pytest.approx(0.75)
     assert fusion_share(10.0, 9.6, 9.5) is None  # 0.4 ms removable: under 5 % of none
     assert fusion_share(10.0, 9.5, 10.2) == pytest.approx(-0.4)  # fused slower: negative share
+
+
+def test_partitioners_table_has_a_row_per_partitioner_and_peer(tmp_path: Path) -> None:
+    import argparse
+
+    from bench.partitioners import model_rows
+    from kiln.plan import partitioner_names
+
+    model = bench_model(str(_embedding_model(tmp_path / "emb.onnx")), {"ids": (1, 16)})
+    args = argparse.Namespace(threads=1, rounds=2, warmup=1)
+    rows, notes, ratios = model_rows(model, partitioner_names(), ("ort",), args, tmp_path)
+    assert not notes
+    assert [r[1] for r in rows] == [*partitioner_names(), "onnxruntime"]
+    assert all(float(r[7]) < 1e-5 for r in rows)  # every build computes what onnxruntime does
+    assert set(ratios) == set(partitioner_names())
