@@ -217,7 +217,9 @@ def parse_clinfo(text: str) -> dict:
             devices.append({})
         if devices and key not in devices[-1]:
             devices[-1][key] = value
-    gpus = [d for d in devices if "GPU" in d.get("Device Type", "GPU").upper()]
+    # clinfo names each device again under "NULL platform behavior", without its type: only
+    # entries that state a type are devices.
+    gpus = [d for d in devices if "GPU" in d.get("Device Type", "").upper()]
     if not gpus:
         return {}
     device = gpus[0]

@@ -256,6 +256,18 @@ Number of devices                                 1
   Device Version                                  OpenCL 3.0 PoCL HSTR: cpu-x86_64-pc-linux-gnu-haswell
   Device Type                                     CPU
   Global memory size                              6283923456 (5.852GiB)
+
+NULL platform behavior
+  clGetPlatformInfo(NULL, CL_PLATFORM_NAME, ...)  Portable Computing Language
+  clGetDeviceIDs(NULL, CL_DEVICE_TYPE_ALL, ...)   Success [POCL]
+  clCreateContext(NULL, ...) [default]            Success [POCL]
+  clCreateContextFromType(NULL, CL_DEVICE_TYPE_DEFAULT)  Success (1)
+    Platform Name                                 Portable Computing Language
+    Device Name                                   cpu-haswell-AMD EPYC
+  clCreateContextFromType(NULL, CL_DEVICE_TYPE_GPU)  No devices found in platform
+  clCreateContextFromType(NULL, CL_DEVICE_TYPE_ALL)  Success (1)
+    Platform Name                                 Portable Computing Language
+    Device Name                                   cpu-haswell-AMD EPYC
 """
 
 
