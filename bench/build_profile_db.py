@@ -321,13 +321,12 @@ def bert_closure(stack, fingerprint: str, runs: int) -> None:
             self.missing: list = []
 
         def latency(self, graph, op_ids):
-            from kiln.profile import Estimate
             from kiln.signature import kernel_signature
 
             with stack.db.read() as s:
                 hit = best(s, fingerprint, kernel_signature(graph, op_ids))
             if hit is not None:
-                return Estimate(hit[0], hit[1])
+                return hit
             self.missing.append((graph, tuple(op_ids)))
             return self.fallback.latency(graph, op_ids)
 

@@ -6,6 +6,7 @@ from pathlib import Path
 from dataclasses import replace
 
 import numpy as np
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from kiln.ecg import Graph, Op, Tensor
@@ -115,7 +116,8 @@ def test_red_pairs_fuse_only_through_a_named_relaxation(graph, seed):
     plan = partitioner("dnnfusion")(graph, RandomLatencies(seed))
     allowed = {"green", "yellow", "yellow: tiny intermediate", "yellow: row-local ops over the same rows",
                "green: epilogue rather than prologue"}
-    assert {d.reason for d in plan.decisions if d.fused} <= allowed
+    # a yellow verdict says in parentheses what it rested on (measured, cost-model, ...)
+    assert {d.reason.split(" (")[0] for d in plan.decisions if d.fused} <= allowed
 
 
 def _relaxation_graph(rows: int):
@@ -169,7 +171,8 @@ def test_dnnfusion_grows_from_the_seed_as_listing_1_does():
     # Both MatMuls are row-local over the same 8 rows with small weights: the relaxed mode fuses them.
     relaxed = partitioner("dnnfusion")(graph, RandomLatencies(0))
     assert relaxed.kernels == 1
-    assert [d.reason for d in relaxed.decisions if d.second == "op0"] == ["yellow: row-local ops over the same rows"]
+    assert [d.reason for d in relaxed.decisions if d.second == "op0"] == [
+        "yellow: row-local ops over the same rows (cost-model)"]
 
 
 def conv_chain_graph(outputs=("y",)):
@@ -267,7 +270,7 @@ def test_yellow_cases_follow_the_store():
     assert len(partitioner("dnnfusion")(graph, Store(1.5)).blocks) == 1
     slower = partitioner("dnnfusion")(graph, Store(2.5))
     assert len(slower.blocks) == 2 and slower.yellow_lookups == 1
-    assert any(d.reason == "yellow: slower fused" for d in slower.decisions)
+    assert any(d.reason == "yellow: slower fused (cost-model)" for d in slower.decisions)
 
 
 def test_a_block_of_reorganize_ops_is_a_view_not_a_kernel():
@@ -285,6 +288,48 @@ def test_stacked_recurrent_layers_share_a_kernel():
     assert [op.op_type for op in graph.ops] == ["LSTM", "Squeeze", "LSTM", "Squeeze"]
     stacked = partitioner("dnnfusion")(graph, RandomLatencies(0))
     assert stacked.kernels == 1 and len(stacked.blocks) == 1
-    assert "yellow: stacked recurrent layers" in {d.reason for d in stacked.decisions if d.fused}
+    assert "yellow: stacked recurrent layers" in {d.reason.split(" (")[0]
+                                                  for d in stacked.decisions if d.fused}
     paper = DNNFusion(Constraints(relax_red=False))(graph, RandomLatencies(0))
     assert paper.kernels == 2  # each LSTM alone; the Squeezes are views
+
+
+class MeasuredLatencies:
+    """Measured answers: the fused kernel (two ops) and each op alone, with p10/p90 spreads;
+    its fallback, a cost model, always finds fusing faster."""
+
+    def __init__(self, together: tuple[float, float, float], alone: tuple[float, float, float]):
+        self.together, self.alone = together, alone
+        self.fallback = FusingCostModel()
+
+    def latency(self, graph, op_ids):
+        median, p10, p90 = self.together if len(op_ids) > 1 else self.alone
+        return Estimate(median, "measured", p10, p90)
+
+    def record(self, *args, **kwargs):
+        raise NotImplementedError
+
+    def schedules(self, graph, op_ids):
+        return []
+
+
+class FusingCostModel:
+    fallback = None
+
+    def latency(self, graph, op_ids):
+        return Estimate(1e-6, COST_MODEL)
+
+
+@pytest.mark.parametrize("together, alone, fused, basis", [
+    # medians say slower fused (10 > 4 + 4), but the spreads overlap: noise, the model decides
+    ((10e-6, 3e-6, 40e-6), (4e-6, 2e-6, 9e-6), True, "cost-model: measurements within noise"),
+    ((30e-6, 28e-6, 33e-6), (4e-6, 3e-6, 5e-6), False, "measured"),  # clearly slower
+    ((5e-6, 4e-6, 6e-6), (4e-6, 3.5e-6, 4.5e-6), True, "measured"),  # clearly faster
+])
+def test_measured_yellow_verdicts_count_only_when_they_exceed_their_spread(together, alone,
+                                                                            fused, basis):
+    graph = _relaxation_graph(rows=512)
+    plan = partitioner("dnnfusion")(graph, MeasuredLatencies(together, alone))
+    assert plan.kernels == (1 if fused else 2)
+    [decision] = [d for d in plan.decisions if d.reason.startswith("yellow")]
+    assert decision.fused is fused and decision.reason.endswith(f"({basis})")

@@ -88,7 +88,7 @@ class DatabaseProfileStore:
                 hit = profiles.best(s, self.fingerprint, probe.signature)
             if hit is not None:
                 self.counts["hit"] += 1
-                return Estimate(hit[0], hit[1])
+                return hit
         if self.fingerprint is None:
             return self._cost_model(graph, op_ids, "no device")
         if probe.signature in self._unmeasurable:
@@ -96,15 +96,15 @@ class DatabaseProfileStore:
         if self.local and not self.settings.measure_local:
             return self._cost_model(graph, op_ids, "measuring off")
         try:
-            seconds = self._measure_local(probe) if self.local else self._measure_remote(probe)
+            measured = self._measure_local(probe) if self.local else self._measure_remote(probe)
         except Exception as exc:  # noqa: BLE001 - a kernel that cannot be measured: cost model
             log.info("kernel %s cannot be measured (%s: %s); the cost model answers",
                      probe.signature[:12], type(exc).__name__, exc)
             self._unmeasurable.add(probe.signature)
             return self._cost_model(graph, op_ids, "unmeasurable")
-        if seconds is None:
+        if measured is None:
             return self._cost_model(graph, op_ids, "fallback")
-        return Estimate(seconds, MEASURED)
+        return measured
 
     def schedules(self, graph: Graph, op_ids: Sequence[str]) -> list[tuple[dict[str, Any], float]]:
         """The schedule-tuning lookup: every schedule of this kernel on this machine, with its
@@ -141,15 +141,16 @@ class DatabaseProfileStore:
             raise RuntimeError(reason)
         return built
 
-    def _measure_local(self, probe) -> float:
+    def _measure_local(self, probe) -> Estimate:
         with tempfile.TemporaryDirectory(prefix="kiln-measure-", dir=self.storage.tmp) as tmp:
             built = self._build(probe, Path(tmp))
             entries = measure_here(built, Path(tmp), runs=self.settings.measure_runs)
         profiles.record(self.db, self.fingerprint, entries)
         self.counts["measured-local"] += 1
-        return next(e.summary.median_s for e in entries if e.signature == probe.signature)
+        summary = next(e.summary for e in entries if e.signature == probe.signature)
+        return Estimate(summary.median_s, MEASURED, summary.p10_s, summary.p90_s)
 
-    def _measure_remote(self, probe) -> float | None:
+    def _measure_remote(self, probe) -> Estimate | None:
         if self.wait_budget <= 0:
             return None
         with tempfile.TemporaryDirectory(prefix="kiln-measure-", dir=self.storage.tmp) as tmp:
@@ -170,8 +171,7 @@ class DatabaseProfileStore:
                         hit = profiles.best(s, self.fingerprint, probe.signature)
                     if hit is not None:
                         self.counts["measured-agent"] += 1
-                        return hit[0]
-                    return None
+                    return hit
                 if status in (devices.FAILED, devices.EXPIRED):
                     return None
                 time.sleep(POLL_S)

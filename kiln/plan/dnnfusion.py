@@ -42,7 +42,7 @@ from kiln.mapping import MappingType, Verdict, fuse_types
 from kiln.ops import RowLocality, op_info
 from kiln.plan import Decision, FusionPlan, register_partitioner
 from kiln.plan.blocks import build_plan
-from kiln.profile import Estimate, ProfileStore
+from kiln.profile import COST_MODEL, MEASURED, Estimate, ProfileStore
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,7 @@ class _Planning:
         self.group_of: dict[str, int] = {}
         self.decisions: list[Decision] = []
         self.yellow_lookups = 0
+        self.yellow_basis: str | None = None  # what the last yellow comparison rested on
         self.block: set[str] = set()
         self.mapping = MappingType.ONE_TO_ONE
         self._latency: dict[tuple[frozenset[str], bool], Estimate] = {}
@@ -144,9 +145,13 @@ class _Planning:
         relaxed = self.relaxation(op, crossing) if verdict is Verdict.RED else None
         if relaxed:
             verdict = Verdict.YELLOW
+        self.yellow_basis = None
         reason = self.refusal(op, verdict, creates_cycle)
+        accepted = relaxed or verdict.value
+        if self.yellow_basis is not None and reason is None:
+            accepted += f" ({self.yellow_basis})"
         self.decisions.append(Decision(self.block_label(), op.id, reason is None,
-                                       reason or relaxed or verdict.value))
+                                       reason or accepted))
         if reason is not None:
             return False
         self.block.add(op.id)
@@ -197,8 +202,10 @@ class _Planning:
         violated = self.violated_constraint(self.block | {op.id})
         if violated:
             return f"constraint: {violated}"
-        if verdict is Verdict.YELLOW and not self.faster_fused(op):
-            return "yellow: slower fused"
+        if verdict is Verdict.YELLOW:
+            faster, self.yellow_basis = self.faster_fused(op)
+            if not faster:
+                return f"yellow: slower fused ({self.yellow_basis})"
         return None
 
     def block_label(self) -> str:
@@ -219,20 +226,39 @@ class _Planning:
         return None
 
     # Step 2.3: yellow cases --------------------------------------------------------------
-    def faster_fused(self, op: Op) -> bool:
-        """Compares estimates of one kind: when the three answers do not all come from the same
+    def faster_fused(self, op: Op) -> tuple[bool, str]:
+        """Is the block with `op` faster than the block and `op` apart, and on what basis.
+
+        Estimates of one kind are compared: when the three answers do not all come from the same
         source (the tuner measured the final blocks of an earlier plan, not the fused candidate),
         all three come from the store's fallback model, so that measuring a plan's blocks does
-        not by itself change the next plan of the same model."""
+        not by itself change the next plan of the same model. Measurements decide only when they
+        are told apart by more than their spread: the fused kernel's p90 under the sum of the
+        parts' p10s (faster), or its p10 over the sum of their p90s (slower). Microsecond kernels
+        measured on a busy machine often overlap; a verdict drawn from their medians is noise, so
+        the fallback model answers those, as it does for `kiln compile` without measurements."""
         self.yellow_lookups += 1
         parts = [self.latency(self.block | {op.id}), self.latency(self.block),
                  self.latency({op.id})]
+        sources = {e.source for e in parts}
         fallback = self.store.fallback
-        if len({e.source for e in parts}) > 1 and fallback is not None:
-            parts = [self.latency(self.block | {op.id}, fallback), self.latency(self.block, fallback),
-                     self.latency({op.id}, fallback)]
-        together, block, alone = (e.seconds for e in parts)
-        return together <= block + alone
+        if fallback is None:
+            return _cheaper(*parts), parts[0].source
+        if len(sources) > 1:
+            return _cheaper(*self.fallback_parts(op)), f"{COST_MODEL}: sources differ"
+        together, block, alone = parts
+        if together.source == MEASURED:
+            if together.high <= block.low + alone.low:
+                return True, MEASURED
+            if together.low >= block.high + alone.high:
+                return False, MEASURED
+            return _cheaper(*self.fallback_parts(op)), f"{COST_MODEL}: measurements within noise"
+        return _cheaper(*parts), together.source
+
+    def fallback_parts(self, op: Op) -> list[Estimate]:
+        fallback = self.store.fallback
+        return [self.latency(self.block | {op.id}, fallback), self.latency(self.block, fallback),
+                self.latency({op.id}, fallback)]
 
     def latency(self, members: Iterable[str], store: ProfileStore | None = None) -> Estimate:
         key = (frozenset(members), store is not None)
@@ -428,3 +454,7 @@ def _max_live_values(graph: Graph, ops: list[Op], members: set[str]) -> int:
         live.update(t for t in op.outputs if remaining[t] > 0)
         peak = max(peak, len(live))
     return peak
+
+
+def _cheaper(together: Estimate, block: Estimate, alone: Estimate) -> bool:
+    return together.seconds <= block.seconds + alone.seconds

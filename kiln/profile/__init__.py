@@ -15,8 +15,20 @@ MEASURED, PREDICTED, COST_MODEL = "measured", "predicted", "cost-model"
 
 @dataclass(frozen=True)
 class Estimate:
-    seconds: float
+    seconds: float  # the median of measured samples
     source: str  # MEASURED, PREDICTED or COST_MODEL
+    # The 10th and 90th percentiles of the samples behind a measured answer (None for a model's
+    # answer): two measured latencies whose ranges overlap are not known to differ.
+    p10: float | None = None
+    p90: float | None = None
+
+    @property
+    def low(self) -> float:
+        return self.seconds if self.p10 is None else self.p10
+
+    @property
+    def high(self) -> float:
+        return self.seconds if self.p90 is None else self.p90
 
 
 Schedule = dict[str, Any]  # overrides of kiln.codegen.schedule.Schedule, plus the tuner's keys

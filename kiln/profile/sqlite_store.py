@@ -190,13 +190,13 @@ class SQLiteProfileStore:
         signature = _signature(graph, op_ids)[0]
         with self._lock:
             row = self._connection().execute(
-                "SELECT median_s, source FROM profile_entries"
+                "SELECT median_s, source, p10_s, p90_s FROM profile_entries"
                 " WHERE device_fingerprint = ? AND signature = ?"
                 " ORDER BY source != ?, median_s, id LIMIT 1",
                 (self.fingerprint, signature, MEASURED)).fetchone()
             if row is not None:
                 self.hits += 1
-                return Estimate(float(row[0]), row[1])
+                return Estimate(float(row[0]), row[1], float(row[2]), float(row[3]))
             self.misses += 1
         return self.fallback.latency(graph, op_ids)
 

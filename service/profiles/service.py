@@ -16,6 +16,7 @@ import numpy as np
 from sqlalchemy import case, select, text
 from sqlalchemy.orm import Session
 
+from kiln.profile import Estimate
 from service.db import Database, utcnow
 from service.profiles.tables import (
     MAX_SCHEDULE_CHARS,
@@ -135,7 +136,7 @@ def record(db: Database, fingerprint: str, entries: Iterable[NewEntry]) -> int:
 # The lookups are plain SQL (compiled once by SQLAlchemy): they run for every yellow-case question
 # of every compile, and building ORM statements each time costs more than the indexed query.
 _BEST = text(
-    "SELECT median_s, source FROM profile_entries"
+    "SELECT median_s, source, p10_s, p90_s FROM profile_entries"
     " WHERE device_fingerprint = :fingerprint AND signature = :signature"
     " ORDER BY CASE WHEN source = 'measured' THEN 0 ELSE 1 END, median_s LIMIT 1")
 _SCHEDULES = text(
@@ -144,11 +145,11 @@ _SCHEDULES = text(
     " ORDER BY median_s, id")
 
 
-def best(session: Session, fingerprint: str, signature: str) -> tuple[float, str] | None:
-    """The yellow-case lookup: (median seconds, source) of the best schedule, measured first
+def best(session: Session, fingerprint: str, signature: str) -> Estimate | None:
+    """The yellow-case lookup: the best schedule's median, source and p10/p90, measured first
     (served by the unique (device_fingerprint, signature, schedule) index)."""
     row = session.execute(_BEST, {"fingerprint": fingerprint, "signature": signature}).first()
-    return None if row is None else (float(row[0]), row[1])
+    return None if row is None else Estimate(float(row[0]), row[1], float(row[2]), float(row[3]))
 
 
 def schedules(session: Session, fingerprint: str, signature: str,
