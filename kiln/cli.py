@@ -17,7 +17,7 @@ from kiln.pipeline import CompileOptions, compile_artifact, compile_model
 from kiln.plan import partitioner, partitioner_names
 from kiln.report import format_report
 from kiln.target import TARGET_NAMES
-from kiln.tune import DEFAULT_BUDGET_S, TUNE_MODES, check_budget, format_tuning
+from kiln.tune import DEFAULT_BUDGET_S, DEFAULT_MODE, TUNE_MODES, check_budget, format_tuning
 
 COMMAND_GROUP = "kiln.commands"
 INTERRUPTED = 130  # the shell's status for a command ended by SIGINT
@@ -30,7 +30,7 @@ def _compile(args: argparse.Namespace) -> int:
     options = CompileOptions(partitioner=args.partitioner, shapes=shapes, target=args.target,
                              rewrite=not args.no_rewrite, tune=args.tune,
                              tune_budget=args.tune_budget)
-    if args.tune != "off" and not args.output:
+    if args.tune in ("quick", "full") and not args.output:
         raise KilnError("--tune needs -o: tuning chooses the schedules of the generated code")
     store = default_store(args.profile_db)
     with progress_view() as view:
@@ -65,10 +65,12 @@ def add_compile_command(commands) -> argparse.ArgumentParser:
                      help="machine the artifact runs on (default: this one)")
     cmd.add_argument("--no-rewrite", action="store_true",
                      help="skip the math-property graph rewriting (see `kiln rules`)")
-    cmd.add_argument("--tune", default="off", choices=TUNE_MODES,
+    cmd.add_argument("--tune", default=DEFAULT_MODE, choices=TUNE_MODES,
                      help="tune kernel schedules on this CPU: quick (a few fixed candidates per "
                           "block) or full (a genetic search); measurements are kept in the "
-                          "profile database and never repeated (default: off)")
+                          "profile database and never repeated. reuse (the default) measures "
+                          "nothing and takes the schedules an earlier quick or full tuning chose; "
+                          "off keeps every default schedule")
     cmd.add_argument("--tune-budget", type=_seconds, metavar="SECONDS",
                      help="time limit for tuning (default: "
                           + ", ".join(f"{m} {s:g} s" for m, s in DEFAULT_BUDGET_S.items()) + ")")

@@ -32,7 +32,7 @@ class CompileOptions:
     shapes: Mapping[str, Sequence[int]] = field(default_factory=dict)
     target: str = "host"  # see kiln.target.TARGET_NAMES
     rewrite: bool = True  # math-property graph rewriting (kiln.rewrite) before planning
-    tune: str = "off"  # schedule tuning before codegen: "off", "quick" or "full" (kiln.tune)
+    tune: str = tune.DEFAULT_MODE  # schedules before codegen: one of kiln.tune.TUNE_MODES
     tune_budget: float | None = None  # seconds for tuning (default kiln.tune.DEFAULT_BUDGET_S)
 
 
@@ -112,7 +112,9 @@ def compile_artifact(model_path: str | Path, out_path: str | Path, options: Comp
     if options.tune != "off":
         tuned = clock.run("tune", partial(tune.tune_plan, on_progress=on_progress), result.plan,
                           build_target, store, options.tune, options.tune_budget)
-        schedules, extra = tuned.block_schedules, {"tuning": tuned.report}
+        schedules = tuned.block_schedules
+        if options.tune != tune.DEFAULT_MODE or schedules:  # quiet when nothing was reused
+            extra = {"tuning": tuned.report}
     generate = partial(codegen.generate, block_schedules=schedules) if schedules else \
         codegen.generate
     kernels = clock.run("codegen", generate, result.plan, build_target)

@@ -86,7 +86,7 @@ class KilnClient:
 
     def submit(self, model_id: str, target: str = "host", partitioner: str = "dnnfusion",
                shapes: dict[str, list[int]] | None = None, rewrite: bool = True,
-               tune: str = "off", tune_budget_s: float | None = None) -> dict[str, Any]:
+               tune: str = "reuse", tune_budget_s: float | None = None) -> dict[str, Any]:
         body = {"model_id": model_id, "target": target, "partitioner": partitioner,
                 "shapes": {k: list(v) for k, v in (shapes or {}).items()}, "rewrite": rewrite,
                 "tune": tune}

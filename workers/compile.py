@@ -156,7 +156,8 @@ def compile_limits(settings: Settings, claim: lifecycle.Claim) -> sandbox.Limits
     """The settings' limits, widened by the job's tuning budget (tuning measures on every core)."""
     from kiln.tune import DEFAULT_BUDGET_S
 
-    tuning = 0.0 if claim.tune == "off" else claim.tune_budget_s or DEFAULT_BUDGET_S[claim.tune]
+    measures = claim.tune in DEFAULT_BUDGET_S  # off and reuse measure nothing
+    tuning = claim.tune_budget_s or DEFAULT_BUDGET_S[claim.tune] if measures else 0.0
     return sandbox.Limits(memory_bytes=settings.compile_memory_mb << 20,
                           cpu_seconds=int(settings.compile_cpu_seconds
                                           + tuning * (os.cpu_count() or 1)),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from kiln.tune.search import (
     DEFAULT_BUDGET_S,
+    DEFAULT_MODE,
     TUNE_MODES,
     TuneError,
     TuneResult,
@@ -21,5 +22,5 @@ from kiln.tune.search import (
 )
 from kiln.tune.report import format_seconds, format_tuning
 
-__all__ = ["DEFAULT_BUDGET_S", "TUNE_MODES", "TuneError", "TuneResult", "check_budget",
+__all__ = ["DEFAULT_BUDGET_S", "DEFAULT_MODE", "TUNE_MODES", "TuneError", "TuneResult", "check_budget",
            "check_mode", "format_seconds", "format_tuning", "tune_plan"]

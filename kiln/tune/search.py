@@ -7,6 +7,10 @@ where the time is.
 
 * `quick`: the fixed candidates of `space.QUICK` that change the block's code (at most
   `space.QUICK_MAX`), measured in one batch.
+* `reuse` (the default of `kiln compile` and of jobs): no measuring; a group whose schedules were
+  measured before (by `quick` or `full`, same machine, same generated code, same threads) gets
+  the schedule that search chose, so a second compile of a tuned model costs nothing and keeps
+  its tuned kernels; other groups keep the default schedule.
 * `full`: a small genetic search over the block's relevant genes (DNNFusion §5.3 tunes with a
   genetic algorithm that starts from any number of chromosomes: here the default schedule, the
   quick candidates and random ones). Each generation keeps the two best (elitism), fills the
@@ -43,7 +47,8 @@ from kiln.tune import space
 from kiln.measure.harness import Candidate, Harness
 from kiln.tune.report import format_seconds
 
-TUNE_MODES = ("off", "quick", "full")
+TUNE_MODES = ("off", "reuse", "quick", "full")
+DEFAULT_MODE = "reuse"
 DEFAULT_BUDGET_S = {"quick": 60.0, "full": 600.0}
 POPULATION = 8
 ELITE = 2
@@ -140,6 +145,8 @@ def tune_plan(plan: FusionPlan, target: Target, store: ProfileStore, mode: str =
     if mode == "off":
         return TuneResult({}, report | {"seconds": 0.0})
     if not _runs_here(target):
+        if mode == "reuse":  # nothing was asked for: no measurements of this machine apply
+            return TuneResult({}, report | {"seconds": 0.0})
         report["skipped"]["all"] = (f"target {target.name} ({target.arch}, "
                                     f"{'/'.join(target.isa)}) cannot be measured on this machine")
         return TuneResult({}, report | {"seconds": 0.0})
@@ -151,6 +158,10 @@ def tune_plan(plan: FusionPlan, target: Target, store: ProfileStore, mode: str =
     min_share = QUICK_MIN_SHARE if mode == "quick" else FULL_MIN_SHARE
     schedules: dict[str, dict[str, Any]] = {}
     progress = _Progress(on_progress)
+    if mode == "reuse":
+        schedules = _reused_schedules(plan, target, store, threads, report)
+        return TuneResult(schedules, report | {"seconds": round(time.monotonic() - start, 3),
+                                               "threads": threads, "schedules": schedules})
     with Harness(plan.graph, compiler_for(target), BuildCache(), threads) as harness:
         for group in groups:
             if group.weight / total < min_share:
@@ -185,6 +196,24 @@ def tune_plan(plan: FusionPlan, target: Target, store: ProfileStore, mode: str =
     report["threads"] = threads
     report["schedules"] = schedules
     return TuneResult(schedules, report)
+
+
+def _reused_schedules(plan: FusionPlan, target: Target, store: ProfileStore, threads: int,
+                      report: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per block, the best schedule measured for its group earlier (see `reuse` above)."""
+    schedules: dict[str, dict[str, Any]] = {}
+    for group in _groups(plan, store):
+        tuner = _GroupTuner(plan, group, target, store, None, threads, float("inf"),
+                            _Progress(None))
+        if not tuner.known:
+            continue
+        entry = tuner.run("reuse")
+        report["reused"] += tuner.reused
+        report["groups"].append(entry)
+        if entry["best"]:
+            for block in group.blocks:
+                schedules[block.id] = dict(entry["best"])
+    return schedules
 
 
 def _ms(seconds: float) -> float:
@@ -232,7 +261,7 @@ class _GroupTuner:
     """Tunes one group: candidates → kernels (deduplicated by source) → store or harness."""
 
     def __init__(self, plan: FusionPlan, group: Group, target: Target, store: ProfileStore,
-                 harness: Harness, threads: int, deadline: float, progress: _Progress):
+                 harness: Harness | None, threads: int, deadline: float, progress: _Progress):
         self.plan, self.group, self.target = plan, group, target
         self.progress = progress
         self.store, self.harness, self.threads = store, harness, threads
@@ -269,6 +298,12 @@ class _GroupTuner:
                 known.setdefault(h, median)
         return known
 
+    def stored_overrides(self) -> list[dict[str, Any]]:
+        """The schedules measured for this group earlier with this thread count."""
+        return [{k: v for k, v in schedule.items() if k not in ("kernel", "threads")}
+                for schedule, _ in self.store.schedules(self.plan.graph, self.op_ids)
+                if isinstance(schedule, dict) and schedule.get("threads") == self.threads]
+
     def _record(self, overrides: dict[str, Any], h: str, samples: Sequence[float]) -> None:
         schedule = {**overrides, "kernel": h, "threads": self.threads}
         try:
@@ -293,7 +328,7 @@ class _GroupTuner:
                 self.reused += 1
                 continue
             batch[h] = (overrides, k)
-        if not batch or time.monotonic() >= self.deadline:
+        if not batch or self.harness is None or time.monotonic() >= self.deadline:
             return
         self.progress.add(len(batch))
         result = self.harness.measure([Candidate(h, k) for h, (_, k) in batch.items()],
@@ -334,7 +369,9 @@ class _GroupTuner:
                     "default_ms": None, "failures": [], "note": self.default_problem()}
         genes = self.relevant_genes() if mode == "full" else []
         quick = self.quick_candidates()
-        if mode == "quick" and len(quick) > 1:
+        if mode == "reuse":
+            self.evaluate([{}, *self.stored_overrides()])
+        elif mode == "quick" and len(quick) > 1:
             self.evaluate(quick)
         elif mode == "full" and genes:
             self.evolve(genes, quick)

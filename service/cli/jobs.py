@@ -19,7 +19,7 @@ LOOPBACK = {"localhost", "127.0.0.1", "::1", "0.0.0.0", "::"}
 
 def add_commands(commands) -> None:
     from kiln.plan import partitioner_names
-    from kiln.tune import DEFAULT_BUDGET_S, TUNE_MODES
+    from kiln.tune import DEFAULT_BUDGET_S, DEFAULT_MODE, TUNE_MODES
 
     submit = commands.add_parser("submit", help="compile a model on a Kiln service")
     submit.add_argument("model", help="path to an .onnx file")
@@ -30,10 +30,11 @@ def add_commands(commands) -> None:
     submit.add_argument("--shape", action="append", default=[], metavar="NAME=D0,D1,…",
                         help="value of an input's symbolic dimensions (repeatable)")
     submit.add_argument("--no-rewrite", action="store_true", help="skip math-property rewrites")
-    submit.add_argument("--tune", default="off", choices=TUNE_MODES,
+    submit.add_argument("--tune", default=DEFAULT_MODE, choices=TUNE_MODES,
                         help="tune kernel schedules on the worker's CPU: quick (a few fixed "
                         "candidates per block) or full (a genetic search); measurements go into "
-                        "the service's profile database (default: off)")
+                        "the service's profile database. reuse (the default) measures nothing and "
+                        "takes the schedules an earlier tuning chose; off keeps the defaults")
     submit.add_argument("--tune-budget", type=_budget, metavar="SECONDS",
                         help="time limit for tuning (default: " + ", ".join(
                             f"{m} {s:g} s" for m, s in DEFAULT_BUDGET_S.items())
@@ -206,7 +207,7 @@ def _submit(args: argparse.Namespace) -> int:
         job = client.submit(model["id"], args.target, args.partitioner,
                             {k: list(v) for k, v in shapes.items()}, not args.no_rewrite,
                             args.tune, args.tune_budget)
-        tuning = f", tune {args.tune}" if args.tune != "off" else ""
+        tuning = f", tune {args.tune}" if args.tune in ("quick", "full") else ""
         print(f"job {job['id']} queued: {model_path.name} for {args.target} "
               f"({args.partitioner}{tuning})", file=sys.stderr, flush=True)
         if not args.wait:

@@ -34,7 +34,7 @@ class Claim:
     partitioner: str
     shapes: dict[str, list[int]] = field(default_factory=dict)
     rewrite: bool = True
-    tune: str = "off"
+    tune: str = "reuse"
     tune_budget_s: float | None = None
 
 

@@ -23,8 +23,9 @@ class JobCreate(BaseModel):
     shapes: dict[str, list[int]] = Field(default_factory=dict,
                                          description="values of the inputs' symbolic dimensions")
     rewrite: bool = Field(True, description="apply the math-property rewrites")
-    tune: str = Field("off", description="schedule tuning on the worker's CPU before code "
-                      "generation: one of kiln.tune.TUNE_MODES (off, quick, full)")
+    tune: str = Field("reuse", description="schedule tuning on the worker's CPU before code "
+                      "generation: one of kiln.tune.TUNE_MODES (off, reuse: the schedules an "
+                      "earlier tuning chose, measuring nothing; quick, full)")
     tune_budget_s: float | None = Field(None, description="seconds for tuning, at most "
                                         f"{MAX_TUNE_BUDGET_S:g} (default: kiln.tune."
                                         "DEFAULT_BUDGET_S of the mode)")

@@ -29,7 +29,7 @@ class Job(Base):
     partitioner: Mapped[str] = mapped_column(String(64))
     shapes: Mapped[dict[str, list[int]]] = mapped_column(JSON, default=dict)
     rewrite: Mapped[bool] = mapped_column(Boolean, default=True)
-    # Schedule tuning (kiln.tune): "off", "quick" or "full"; seconds, None for the mode's default.
+    # Schedule tuning (kiln.tune.TUNE_MODES); seconds, None for the mode's default.
     # The server default gives rows from before migration 0003 "off".
     tune: Mapped[str] = mapped_column(String(16), default="off", server_default="off")
     tune_budget_s: Mapped[float | None] = mapped_column(Float, nullable=True)

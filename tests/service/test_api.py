@@ -176,7 +176,7 @@ def test_create_job_queues_it(api):
     ({"shapes": {"input_ids": [1, 17]}}, ("fixed at 16",)),
     ({"shapes": {"input_ids": [0, 16]}}, ("must be positive",)),
     ({"colour": "blue"}, ("colour",)),
-    ({"tune": "turbo"}, ("tune", "unknown tuning mode 'turbo'", "off, quick, full")),
+    ({"tune": "turbo"}, ("tune", "unknown tuning mode 'turbo'", "off, reuse, quick, full")),
     ({"tune": "quick", "tune_budget_s": 0}, ("tune_budget_s", "positive", "not 0")),
     ({"tune": "quick", "tune_budget_s": -5}, ("tune_budget_s", "positive", "not -5")),
     ({"tune": "quick", "tune_budget_s": 3601}, ("tune_budget_s", "at most 3600", "3601")),
@@ -196,7 +196,7 @@ def test_create_job_with_tuning(api):
     client, settings, dispatcher, _ = api
     model_id = _model_id(client)
     plain = client.post("/v1/jobs", json={"model_id": model_id}).json()
-    assert (plain["tune"], plain["tune_budget_s"]) == ("off", None)
+    assert (plain["tune"], plain["tune_budget_s"]) == ("reuse", None)
     response = client.post("/v1/jobs", json={"model_id": model_id, "tune": "quick",
                                              "tune_budget_s": 2.5})
     assert response.status_code == 202, response.text
@@ -205,7 +205,7 @@ def test_create_job_with_tuning(api):
     got = client.get(f"/v1/jobs/{job['id']}").json()
     assert (got["tune"], got["tune_budget_s"]) == ("quick", 2.5)
     listed = {j["id"]: (j["tune"], j["tune_budget_s"]) for j in client.get("/v1/jobs").json()}
-    assert listed == {plain["id"]: ("off", None), job["id"]: ("quick", 2.5)}
+    assert listed == {plain["id"]: ("reuse", None), job["id"]: ("quick", 2.5)}
     with database(settings.database_url).read() as s:
         row = s.get(Job, job["id"])
         assert (row.tune, row.tune_budget_s) == ("quick", 2.5)
@@ -229,7 +229,7 @@ def test_kiln_submit_and_the_client_send_tuning(api, monkeypatch, capsys):
     assert (job["tune"], job["tune_budget_s"]) == ("quick", 30.0)
     job = kiln_client.submit(job["model_id"], tune="full", tune_budget_s=7)
     assert (job["tune"], job["tune_budget_s"]) == ("full", 7.0)
-    assert (kiln_client.submit(job["model_id"])["tune"]) == "off"
+    assert (kiln_client.submit(job["model_id"])["tune"]) == "reuse"
 
 
 def test_symbolic_dimensions_need_shapes(api, tmp_path):

@@ -80,10 +80,30 @@ def test_tuned_tinybert_verifies(tmp_path, capsys):
     assert main(["verify", str(out), TINYBERT]) == 0
 
 
-def test_off_changes_nothing(small_model, tmp_path):
+def test_the_default_on_an_untuned_model_changes_nothing(small_model, tmp_path):
     store = default_store(tmp_path / "profiles.sqlite")
     report = compile_artifact(small_model, tmp_path / "a.kiln", CompileOptions(), store)
     assert "tuning" not in report and len(store) == 0
+
+
+def test_the_default_compile_reuses_what_tuning_chose_and_measures_nothing(small_model,
+                                                                           tmp_path):
+    store = default_store(tmp_path / "profiles.sqlite")
+    tuned = compile_artifact(small_model, tmp_path / "tuned.kiln",
+                             CompileOptions(tune="quick", tune_budget=120), store)["tuning"]
+    assert tuned["schedules"], "quick tuning found nothing faster than the defaults"
+    entries = len(store)
+    again = default_store(tmp_path / "profiles.sqlite")
+    report = compile_artifact(small_model, tmp_path / "default.kiln", CompileOptions(), again)
+    assert report["tuning"]["mode"] == "reuse" and report["tuning"]["measured"] == 0
+    assert report["tuning"]["schedules"] == tuned["schedules"] and len(again) == entries
+    off = compile_artifact(small_model, tmp_path / "off.kiln", CompileOptions(tune="off"), again)
+    assert "tuning" not in off
+    with zipfile.ZipFile(tmp_path / "default.kiln") as z:
+        kernels = json.loads(z.read("plan.json"))["kernels"]
+    for kernel in kernels:
+        for key, value in tuned["schedules"].get(kernel["block"], {}).items():
+            assert kernel["schedule"][key] == value
 
 
 def test_quick_candidates_change_the_code():
@@ -113,7 +133,7 @@ def test_micro_kernel_shapes_fit_the_registers():
         assert shape["vector_bytes"] <= host_target().vector_bytes
 
 
-@pytest.mark.parametrize("mode", ["off", "quick", "full"])
+@pytest.mark.parametrize("mode", ["off", "reuse", "quick", "full"])
 def test_modes_accepted(mode):
     assert check_mode(mode) == mode
 
