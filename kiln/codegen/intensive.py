@@ -300,32 +300,58 @@ class _PairLowering:
     # upstream depthwise: channels [c0, c0 + count) × output rows [y0, y1) into sums -----------
     def depthwise_up(self, img: Expr, c0: Expr, count: Expr, y0: Expr, y1: Expr, sums: str,
                      lds: int) -> list[ir.Stmt]:
+        """Rows and columns whose whole window lies inside the input: every tap unrolled, one
+        store per point (the interior); the few border rows and columns accumulate tap by tap
+        over their valid taps."""
         w, ctx = self.up_window, self.up_ctx
-        width = w.out_size[1]
-        c, oy, ky, kx = (ctx.var("c", 1 << 20), ctx.var("y", w.out_size[0]),
-                         ctx.var("k", w.kernel[0]), ctx.var("k", w.kernel[1]))
-        ox = ctx.var("x", width)
-
-        def slot(col: Expr) -> Expr:
-            return add(mul(c, lds), mul(sub(oy, y0), width), col)
-
-        zero = ir.Loop(ox, iconst(0), iconst(width),
-                       [ir.ArrayStore(sums, slot(ox), const(0, FLOAT))], simd=True)
+        (height, width), (kh, kw) = w.out_size, w.kernel
+        y_lo, y_hi = _interior(w, 0)
+        x_lo, x_hi = _interior(w, 1)
+        c = ctx.var("c", 1 << 20)
+        channel = add(c0, c)
         read_x = ctx.reader(self.pair.up.inputs[0])
         read_w = ctx.reader(self.pair.up.inputs[1])
-        lo_num = sub(iconst(w.pad_begin[1]), mul(kx, w.dilations[1]))
-        col_lo = imax(ceildiv(lo_num, w.strides[1]), 0)
-        col_hi = imin(ceildiv(add(lo_num, w.in_size[1]), w.strides[1]), width)
-        channel = add(c0, c)
-        x_value = read_x(Index(self.x_shape, dims=[img, channel, tap_position(w, 0, oy, ky),
-                                                   tap_position(w, 1, ox, kx)]))
-        w_value = read_w(Index(self.w1, dims=[channel, iconst(0), ky, kx]))
-        update = ir.ArrayStore(sums, slot(ox), binary("add", array_load(sums, FLOAT, slot(ox)),
-                                                       binary("mul", w_value, x_value)))
-        lo, hi = valid_taps(w, 0, oy)
-        taps = ir.Loop(ky, lo, hi, [ir.Loop(kx, iconst(0), iconst(w.kernel[1]),
-                                            [ir.Loop(ox, col_lo, col_hi, [update], simd=True)])])
-        return [ir.Loop(c, iconst(0), count, [ir.Loop(oy, y0, y1, [zero, taps])])]
+
+        def slot(oy: Expr, col: Expr) -> Expr:
+            return add(mul(c, lds), mul(sub(oy, y0), width), col)
+
+        def tap(oy: Expr, ox: Expr, ky: Expr, kx: Expr) -> Expr:
+            x = read_x(Index(self.x_shape, dims=[img, channel, tap_position(w, 0, oy, ky),
+                                                  tap_position(w, 1, ox, kx)]))
+            return binary("mul", read_w(Index(self.w1, dims=[channel, iconst(0), ky, kx])), x)
+
+        def border(rows: tuple[Expr, Expr], cols: tuple[int, int]) -> ir.Loop:
+            oy, ox = ctx.var("y", height), ctx.var("x", width)
+            ky, kx = ctx.var("k", kh), ctx.var("k", kw)
+            zero = ir.Loop(ox, iconst(cols[0]), iconst(cols[1]),
+                           [ir.ArrayStore(sums, slot(oy, ox), const(0, FLOAT))], simd=True)
+            lo_num = sub(iconst(w.pad_begin[1]), mul(kx, w.dilations[1]))
+            col_lo = imax(ceildiv(lo_num, w.strides[1]), cols[0])
+            col_hi = imin(ceildiv(add(lo_num, w.in_size[1]), w.strides[1]), cols[1])
+            update = ir.ArrayStore(sums, slot(oy, ox), binary(
+                "add", array_load(sums, FLOAT, slot(oy, ox)), tap(oy, ox, ky, kx)))
+            lo, hi = valid_taps(w, 0, oy)
+            taps = ir.Loop(ky, lo, hi, [ir.Loop(kx, iconst(0), iconst(kw),
+                                                [ir.Loop(ox, col_lo, col_hi, [update], simd=True)])])
+            return ir.Loop(oy, rows[0], rows[1], [zero, taps])
+
+        inner_rows = (imax(y0, y_lo), imin(y1, iconst(y_hi)))
+        oy, ox = ctx.var("y", height), ctx.var("x", width)
+        total = None
+        for ky in range(kh):
+            for kx in range(kw):
+                term = tap(oy, ox, iconst(ky), iconst(kx))
+                total = term if total is None else binary("add", total, term)
+        interior = ir.Loop(oy, *inner_rows, [
+            ir.Loop(ox, iconst(x_lo), iconst(x_hi), [ir.ArrayStore(sums, slot(oy, ox), total)],
+                    simd=True)])
+        body = [border((y0, imin(y1, iconst(y_lo))), (0, width)), interior,
+                border((imax(y0, y_hi), y1), (0, width))]
+        if x_lo > 0:
+            body.append(border(inner_rows, (0, x_lo)))
+        if x_hi < width:
+            body.append(border(inner_rows, (x_hi, width)))
+        return [ir.Loop(c, iconst(0), count, body)]
 
     # Fig. 7a -------------------------------------------------------------------------------------
     def depthwise_pair(self) -> None:
@@ -487,6 +513,13 @@ class _PairLowering:
                        [ir.Loop(task, iconst(0), iconst(tasks), body, parallel=1, grain="one")],
                        work)
         self.ctx.info.update(form=f"intensive {self.pair.category}", upstream=self.form)
+
+
+def _interior(w: Window, d: int) -> tuple[int, int]:
+    """[lo, hi): the output positions of dim d whose every tap lies inside the input."""
+    lo = min(w.out_size[d], -(-w.pad_begin[d] // w.strides[d]))
+    hi = (w.in_size[d] - 1 - (w.kernel[d] - 1) * w.dilations[d] + w.pad_begin[d]) // w.strides[d] + 1
+    return lo, max(lo, min(w.out_size[d], hi))
 
 
 def lower_pair(down_ctx: StageCtx, up_ctx: StageCtx, pair: Pair) -> None:
