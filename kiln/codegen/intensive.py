@@ -135,7 +135,7 @@ def upstream_form(op: Op, graph: Graph) -> str | None:
     return "gemm" if found[1] == 1 else None
 
 
-def find_pairs(graph: Graph, ops: list[Op], members: set[str], must_store: set[str],
+def find_pairs(graph: Graph, ops: list[Op], must_store: set[str],
                outputs: set[str]) -> dict[str, Pair]:
     """Pairs of the block by downstream op id, taken in block order, each op in one pair."""
     producer = {t: op for op in ops for t in op.outputs}
@@ -145,7 +145,7 @@ def find_pairs(graph: Graph, ops: list[Op], members: set[str], must_store: set[s
         kind = category(down, graph)
         if kind is None or down.id in used:
             continue
-        found = _upstream(graph, producer, members, must_store | outputs, down)
+        found = _upstream(graph, producer, must_store | outputs, down)
         if found is None:
             continue
         up, between = found
@@ -156,10 +156,10 @@ def find_pairs(graph: Graph, ops: list[Op], members: set[str], must_store: set[s
     return pairs
 
 
-def _upstream(graph: Graph, producer: dict[str, Op], members: set[str], kept: set[str],
-              down: Op) -> tuple[Op, tuple[Op, ...]] | None:
-    """The conv whose result reaches `down`'s input through elementwise ops of the block only,
-    every tensor on the way read by nothing but those ops and `down`."""
+def _upstream(graph: Graph, producer: dict[str, Op], kept: set[str], down: Op) -> tuple[Op, tuple[Op, ...]] | None:
+    """The conv whose result reaches `down`'s input through elementwise ops of the block only
+    (`producer`: the block's tensors), every tensor on the way read by nothing but those ops and
+    `down`, and none of them kept in memory (`kept`)."""
     between: dict[str, Op] = {}
     stack = [down.inputs[0]]
     ups: set[str] = set()
@@ -168,7 +168,7 @@ def _upstream(graph: Graph, producer: dict[str, Op], members: set[str], kept: se
         op = producer.get(t)
         if op is None or t in kept:
             return None
-        if op.op_type == "Conv" and op is not down:
+        if op.op_type == "Conv":
             ups.add(op.id)
             continue
         if (op.mapping != MappingType.ONE_TO_ONE or lowering(op.op_type).kind != "inline"

@@ -301,7 +301,7 @@ class BlockLowering:
         if not self.schedule.intensive_fusion:
             return {}
         uk = intensive.tile_shape(self.schedule)
-        found = intensive.find_pairs(self.graph, self.ops, self.members, self.must_store,
+        found = intensive.find_pairs(self.graph, self.ops, self.must_store,
                                      set(self.graph.outputs))
         return {down: pair for down, pair in found.items()
                 if (pair.up.id, pair.down.id) not in self.refused
