@@ -74,7 +74,7 @@ def genes(target: Target) -> tuple[Gene, ...]:
         Gene("parallel_min_iterations", ({}, *({"parallel_min_iterations": v} for v in (8, 16, 256)))),
         Gene("split_loops", ({}, {"split_loops": False})),
         Gene("intensive", ({}, {"intensive_fusion": False},
-                           *({"intensive_tile_bytes": v} for v in (1 << 16, 1 << 17, 1 << 19)))),
+                           *({"intensive_tile_bytes": v} for v in (1 << 15, 1 << 16, 1 << 17)))),
     )
 
 
