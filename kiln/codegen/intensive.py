@@ -539,11 +539,14 @@ def tile_shape(schedule: Schedule) -> tuple[int, int]:
 
 def fits(pair: Pair, graph: Graph, tile_bytes: int, mr: int, nr: int) -> bool:
     """Whether the pair's smallest tile fits `tile_bytes` (decided before lowering, so that a
-    pair that cannot be fused is lowered as two stages)."""
+    pair that cannot be fused is lowered as two stages), and a matrix-product upstream op has at
+    least one micro-kernel panel of pixels (below that the panel is mostly padding)."""
     n_img, channels, height, width = graph.tensors[pair.up.outputs[0]].shape
     budget = tile_bytes // 4
     gemm = upstream_form(pair.up, graph) == "gemm"
     pixels = height * width
+    if gemm and pixels < nr:  # less than one micro-kernel panel (a squeeze-and-excite 1×1 map)
+        return False
     if pair.category == DEPTHWISE:
         dw = _geometry(pair.down, graph)[0]
         hp = max(height + dw.pad_begin[0], (dw.out_size[0] - 1) * dw.strides[0]
