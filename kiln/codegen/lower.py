@@ -297,15 +297,15 @@ class BlockLowering:
         self._mark_ready()
 
     def _intensive_pairs(self) -> dict[str, intensive.Pair]:
-        """AGO's intensive-fusion pairs of the block whose tiles fit the schedule's budget."""
+        """AGO's intensive-fusion pairs of the block whose tiles fit the schedule's budget (a
+        tensor a later attempt must store ends its pair: `find_pairs` skips kept tensors)."""
         if not self.schedule.intensive_fusion:
             return {}
         uk = intensive.tile_shape(self.schedule)
         found = intensive.find_pairs(self.graph, self.ops, self.must_store,
                                      set(self.graph.outputs))
         return {down: pair for down, pair in found.items()
-                if (pair.up.id, pair.down.id) not in self.refused
-                and intensive.fits(pair, self.graph, self.schedule.intensive_tile_bytes, *uk)}
+                if intensive.fits(pair, self.graph, self.schedule.intensive_tile_bytes, *uk)}
 
     def _intensive(self, pair: intensive.Pair) -> None:
         ctx = StageCtx(self, pair.down, self._epilogue_candidates(pair.down))
