@@ -110,7 +110,8 @@ def compile_artifact(model_path: str | Path, out_path: str | Path, options: Comp
     schedules: dict[str, dict[str, Any]] = {}
     extra: dict[str, Any] = {}
     if options.tune != "off":
-        tuned = clock.run("tune", partial(tune.tune_plan, on_progress=on_progress), result.plan,
+        tuner = tune.tuner_for(partitioner(options.partitioner))
+        tuned = clock.run("tune", partial(tuner, on_progress=on_progress), result.plan,
                           build_target, store, options.tune, options.tune_budget)
         schedules = tuned.block_schedules
         if options.tune != tune.DEFAULT_MODE or schedules:  # quiet when nothing was reused

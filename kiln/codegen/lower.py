@@ -49,6 +49,7 @@ from kiln.codegen.contexts import (
 )
 from kiln.codegen.epilogue import Path, find_path, forward_index
 from kiln.codegen.expr import Expr, const, iconst, load, local, var, walk
+from kiln.codegen import intensive
 from kiln.codegen.indexing import Index
 from kiln.codegen.ops import lowering
 from kiln.codegen.passes import finish_stage
@@ -254,7 +255,11 @@ class BlockLowering:
         self.derived: dict[str, np.ndarray] = {}
         open_row: RowStage | None = None
         pending: list[str] = []
+        pairs = self._intensive_pairs()
+        deferred = {pair.up.id for pair in pairs.values()}
         for op in self.ops:
+            if op.id in deferred:
+                continue  # computed tile by tile inside its pair's stage
             kind = lowering(op.op_type).kind
             if kind == "inline":
                 pending += [t for t in op.outputs if t in self.must_store]
@@ -265,6 +270,8 @@ class BlockLowering:
             open_row, pending = None, []
             if kind == "row":
                 open_row = RowStage(self, op)
+            elif op.id in pairs:
+                self._intensive(pairs[op.id])
             else:
                 self._anchor(op)
         self._close(open_row, pending)
@@ -287,6 +294,24 @@ class BlockLowering:
         lowering(op.op_type).lower(ctx)
         ctx.attach_info()
         self.assigned |= {t for t in op.outputs if t in self.must_store}
+        self._mark_ready()
+
+    def _intensive_pairs(self) -> dict[str, intensive.Pair]:
+        """AGO's intensive-fusion pairs of the block whose tiles fit the schedule's budget (a
+        tensor a later attempt must store ends its pair: `find_pairs` skips kept tensors)."""
+        if not self.schedule.intensive_fusion:
+            return {}
+        uk = intensive.tile_shape(self.schedule)
+        found = intensive.find_pairs(self.graph, self.ops, self.must_store,
+                                     set(self.graph.outputs))
+        return {down: pair for down, pair in found.items()
+                if intensive.fits(pair, self.graph, self.schedule.intensive_tile_bytes, *uk)}
+
+    def _intensive(self, pair: intensive.Pair) -> None:
+        ctx = StageCtx(self, pair.down, self._epilogue_candidates(pair.down))
+        intensive.lower_pair(ctx, StageCtx(self, pair.up, {}), pair)
+        ctx.attach_info()
+        self.assigned |= {t for t in pair.down.outputs if t in self.must_store}
         self._mark_ready()
 
     def _epilogue_candidates(self, op: Op) -> dict[str, list[tuple[str, Path]]]:

@@ -49,6 +49,11 @@ class Schedule:
     # "dynamic" (grain "one") hands out tiles as threads free
     # up (robust on loaded machines), "static" (grain "even") splits them evenly up front.
     gemm_omp_schedule: str = "dynamic"
+    # AGO's intensive fusion (`kiln.codegen.intensive`): a conv → depthwise or pointwise conv pair
+    # of a block runs as one stage, tile by tile, each tile's intermediate in a stack buffer of at
+    # most `intensive_tile_bytes` (a quarter of a 1 MiB L2); off: two stages, a full intermediate.
+    intensive_fusion: bool = True
+    intensive_tile_bytes: int = 1 << 18
 
     def merged(self, overrides: Mapping[str, Any] | None) -> Schedule:
         if not overrides:

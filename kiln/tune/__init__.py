@@ -20,7 +20,19 @@ from kiln.tune.search import (
     check_mode,
     tune_plan,
 )
+from kiln.tune.reformer import tune_by_parts
 from kiln.tune.report import format_seconds, format_tuning
 
-__all__ = ["DEFAULT_BUDGET_S", "DEFAULT_MODE", "TUNE_MODES", "TuneError", "TuneResult", "check_budget",
-           "check_mode", "format_seconds", "format_tuning", "tune_plan"]
+# How a partitioner's plans are tuned (its `tuning` attribute; per block when it has none):
+# AGO's plans of complicated subgraphs by its reformer layer's divide and conquer.
+TUNERS = {"per-block": tune_plan, "divide-and-conquer": tune_by_parts}
+
+
+def tuner_for(partitioner: object):
+    """The tuning function (`tune_plan`'s signature) for a partitioner's plans."""
+    return TUNERS[getattr(partitioner, "tuning", "per-block")]
+
+
+__all__ = ["DEFAULT_BUDGET_S", "DEFAULT_MODE", "TUNERS", "TUNE_MODES", "TuneError", "TuneResult", "check_budget",
+           "check_mode", "format_seconds", "format_tuning", "tune_by_parts", "tune_plan",
+           "tuner_for"]

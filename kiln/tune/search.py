@@ -32,7 +32,7 @@ import json
 import os
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -134,9 +134,12 @@ class _Progress:
 def tune_plan(plan: FusionPlan, target: Target, store: ProfileStore, mode: str = "quick",
               budget_s: float | None = None, threads: int | None = None,
               log: Callable[[str], None] | None = None,
-              on_progress: ProgressCallback | None = None) -> TuneResult:
+              on_progress: ProgressCallback | None = None,
+              initial: Mapping[str, dict[str, Any]] | None = None) -> TuneResult:
     """Per-block schedule overrides for `generate(..., block_schedules=...)`, and a report.
-    `on_progress("tune", done, total, what)` follows each kernel measured."""
+    `on_progress("tune", done, total, what)` follows each kernel measured. `initial` (block id
+    → overrides) adds a starting schedule to a block's candidates (AGO's reformer layer joins
+    the schedules tuned for a subgraph's parts into one, `kiln.tune.reformer`)."""
     check_mode(mode)
     budget = check_budget(budget_s) or DEFAULT_BUDGET_S.get(mode, 0.0)
     start = time.monotonic()
@@ -181,7 +184,7 @@ def tune_plan(plan: FusionPlan, target: Target, store: ProfileStore, mode: str =
             remaining_weight -= group.weight
             group_deadline = deadline if mode == "quick" else min(deadline, now + max(share, 0.0))
             tuner = _GroupTuner(plan, group, target, store, harness, threads, group_deadline,
-                                progress)
+                                progress, dict((initial or {}).get(group.blocks[0].id) or {}))
             entry = tuner.run(mode)
             report["measured"] += tuner.measured
             report["reused"] += tuner.reused
@@ -261,8 +264,10 @@ class _GroupTuner:
     """Tunes one group: candidates → kernels (deduplicated by source) → store or harness."""
 
     def __init__(self, plan: FusionPlan, group: Group, target: Target, store: ProfileStore,
-                 harness: Harness | None, threads: int, deadline: float, progress: _Progress):
+                 harness: Harness | None, threads: int, deadline: float, progress: _Progress,
+                 initial: dict[str, Any] | None = None):
         self.plan, self.group, self.target = plan, group, target
+        self.initial = initial or {}
         self.progress = progress
         self.store, self.harness, self.threads = store, harness, threads
         self.deadline = deadline
@@ -413,7 +418,8 @@ class _GroupTuner:
     def quick_candidates(self) -> list[dict[str, Any]]:
         seen: set[str] = set()
         out = []
-        for overrides in space.QUICK:
+        starts = (space.QUICK[0], self.initial, *space.QUICK[1:]) if self.initial else space.QUICK
+        for overrides in starts:
             made = self.kernel(dict(overrides))
             if made is None or made[0] in seen:
                 continue

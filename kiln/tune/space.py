@@ -11,6 +11,7 @@ block; measuring is not). Which genes are offered depends on the block's stages:
   output tile of the unpacked (`ikj`) path;
 * direct convolutions (depthwise): output-channel block and row tile, and the algorithm switch
   (implicit GEMM or direct loops);
+* conv pairs fused by AGO's intensive fusion: on or off, and the tile's byte budget;
 * every block: when a stage goes parallel and how many iterations its parallel loop collapses,
   and loop splitting (the memory-bound stages' only knobs).
 
@@ -72,6 +73,8 @@ def genes(target: Target) -> tuple[Gene, ...]:
         Gene("parallel_min_work", ({}, *({"parallel_min_work": v} for v in (1 << 12, 1 << 18, 1 << 22)))),
         Gene("parallel_min_iterations", ({}, *({"parallel_min_iterations": v} for v in (8, 16, 256)))),
         Gene("split_loops", ({}, {"split_loops": False})),
+        Gene("intensive", ({}, {"intensive_fusion": False},
+                           *({"intensive_tile_bytes": v} for v in (1 << 15, 1 << 16, 1 << 17)))),
     )
 
 
@@ -85,6 +88,7 @@ QUICK: tuple[Overrides, ...] = (
     {"matmul_tile_m": 16, "matmul_tile_n": 128},
     {"matmul_tile_m": 64, "matmul_tile_n": 64},
     {"conv_gemm_min_cout": 1 << 30},
+    {"intensive_fusion": False},  # AGO's intensive fusion against two stages (`kiln.codegen.intensive`)
     {"parallel_min_work": 1 << 12},
     {"parallel_min_work": 1 << 18},
 )
