@@ -8,17 +8,22 @@ from functools import lru_cache
 from kiln.cpuinfo import host_cpuinfo
 from kiln.errors import KilnError
 
-TARGET_NAMES = ("host", "x86_64", "aarch64")
+TARGET_NAMES = ("host", "x86_64", "aarch64", "opencl", "opencl-aarch64")
 
 
 @dataclass(frozen=True)
 class Target:
-    name: str  # "host", "x86_64" or "aarch64"
+    name: str  # one of TARGET_NAMES
     arch: str  # "x86_64" or "aarch64"
     isa: tuple[str, ...]  # vector ISA features code may use: "avx512f", "avx2", "fma", "neon"
-    cc: str  # C compiler command
+    cc: str  # C compiler command (of the host side, for a GPU backend)
     cflags: tuple[str, ...]  # ISA flags for that compiler
     backend: str = "c"  # the code generator's backend for it (kiln.codegen.backend.BACKENDS)
+
+    @property
+    def runs_on_cpu(self) -> bool:
+        """Whether the kernels run on the CPU (as C functions), not on a device (a GPU's)."""
+        return self.backend == "c"
 
     @property
     def vector_bytes(self) -> int:
@@ -41,6 +46,11 @@ def target(name: str) -> Target:
     if name == "aarch64":
         cc = "gcc" if platform.machine() == "aarch64" else "aarch64-linux-gnu-gcc"
         return Target("aarch64", "aarch64", ("neon",), cc, ("-march=armv8-a",))
+    if name == "opencl":  # an x86-64 host with an OpenCL driver (a GPU's, or PoCL on the CPU)
+        return Target("opencl", "x86_64", (), "gcc", (), backend="opencl")
+    if name == "opencl-aarch64":  # a phone or board whose GPU has an OpenCL driver
+        cc = "gcc" if platform.machine() == "aarch64" else "aarch64-linux-gnu-gcc"
+        return Target("opencl-aarch64", "aarch64", (), cc, ("-march=armv8-a",), backend="opencl")
     raise KilnError(f"unknown target {name!r}; choose one of {', '.join(TARGET_NAMES)}")
 
 
