@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import platform
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -52,6 +53,19 @@ def target(name: str) -> Target:
         cc = "gcc" if platform.machine() == "aarch64" else "aarch64-linux-gnu-gcc"
         return Target("opencl-aarch64", "aarch64", (), cc, ("-march=armv8-a",), backend="opencl")
     raise KilnError(f"unknown target {name!r}; choose one of {', '.join(TARGET_NAMES)}")
+
+
+def runnable_targets(arch: str, isa: Iterable[str], runtimes: Iterable[str] = ()) -> tuple[str, ...]:
+    """The named targets (all but "host") whose artifacts a device runs: those of its
+    architecture whose ISA features it has and whose backend, unless it is C, is among the
+    device's `runtimes` (the drivers it has: "opencl")."""
+    features, drivers = set(isa) | ({"neon"} if arch == "aarch64" else set()), set(runtimes)
+    found = []
+    for name in TARGET_NAMES[1:]:
+        t = target(name)
+        if t.arch == arch and set(t.isa) <= features and (t.runs_on_cpu or t.backend in drivers):
+            found.append(name)
+    return tuple(found)
 
 
 @lru_cache(maxsize=1)
