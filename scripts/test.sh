@@ -17,5 +17,5 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
-python3 -m pip install -q --disable-pip-version-check -e ".[test,zoo,service]"
+python3 -m pip install -q --disable-pip-version-check -e ".[test,zoo,service,cuda]"
 exec python3 -m pytest -q -p no:cacheprovider "$@"

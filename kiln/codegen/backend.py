@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from kiln.codegen.render.c import CRenderer
 from kiln.codegen.render.cstyle import CStyleRenderer
+from kiln.codegen.render.cuda import CudaRenderer
 from kiln.codegen.render.gpu import GPU_SCHEDULE
 from kiln.codegen.render.opencl import OpenCLRenderer
 from kiln.codegen.schedule import DEFAULT_SCHEDULE, Schedule
@@ -75,7 +76,22 @@ OPENCL = Backend(
     schedule=GPU_SCHEDULE,
 )
 
-BACKENDS: dict[str, Backend] = {backend.name: backend for backend in (C_OPENMP, OPENCL)}
+CUDA = Backend(
+    name="cuda",
+    renderer=CudaRenderer,
+    toolchain=Toolchain(
+        source_suffix=".cu",  # nvcc builds them into cubin and PTX (kiln.runtime.nvcc)
+        compile_flags=("-O2", "-fPIC"),  # the host driver
+        link_flags=(),
+        libraries=("-ldl",),  # libcuda.so.1 is opened at run time, never linked
+        static_runner=False,
+    ),
+    runner="runner.c",
+    driver="cuda",
+    schedule=GPU_SCHEDULE,
+)
+
+BACKENDS: dict[str, Backend] = {backend.name: backend for backend in (C_OPENMP, OPENCL, CUDA)}
 
 
 def backend_for(target: Target) -> Backend:

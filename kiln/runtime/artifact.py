@@ -11,6 +11,8 @@ Members:
   OpenCL driver also embeds and builds on the device at run time), the driver `model.c`,
   `kiln_model.h` and `runner.c`.
 - `lib/libkiln_model.so`: the kernels and driver as a shared library (kiln_model.h's interface).
+- `lib/kernels.sm_<NN>.cubin`, `lib/kernels.compute_<NN>.ptx` (CUDA targets): the kernels as nvcc
+  built them (`.cu` sources in `src/`), also embedded in the library and the runner.
 - `bin/kiln-runner`: the same, statically linked with runner.c (usage in runner.c).
 - `plan.json`: the fusion plan's blocks, every kernel's arguments with their locations, and
   the memory plan. `report.json`: the fusion report with memory totals.
@@ -41,7 +43,7 @@ from kiln.codegen.backend import backend_for
 from kiln.errors import KilnError
 from kiln.plan import FusionPlan
 from kiln.files import cache_dir, temporary_beside
-from kiln.runtime import driver, opencl_driver
+from kiln.runtime import cuda_driver, driver, nvcc, opencl_driver
 from kiln.runtime.memory import MemoryPlan, plan_memory, weights_blob
 from kiln.runtime.toolchain import (
     BuildCache,
@@ -112,7 +114,7 @@ def memory_report(memory: MemoryPlan, kernels: Sequence[Kernel],
 
 # The host drivers by `Backend.driver`: the module writing model.c, and whether the kernels are
 # host C compiled into the library (else the driver builds them on the device at run time).
-DRIVERS = {"c": (driver, True), "opencl": (opencl_driver, False)}
+DRIVERS = {"c": (driver, True), "opencl": (opencl_driver, False), "cuda": (cuda_driver, False)}
 
 
 def _sources(plan: FusionPlan, kernels: Sequence[Kernel], memory: MemoryPlan,
@@ -136,15 +138,22 @@ def _binaries(sources: dict[str, str], units: dict[str, driver.KernelUnit], targ
     if DRIVERS[backend.driver][1]:
         for symbol, unit in units.items():
             labels.setdefault(f"{unit.function}{backend.toolchain.source_suffix}", f"kernel {symbol}")
+    compiled = {labels[name]: driver.with_header(text)
+                for name, text in sources.items() if name in labels}
+    images = {}
+    if backend.driver == "cuda":  # nvcc builds the kernels now; the images are linked in
+        built = nvcc.build_images(cuda_driver.program_source(list(units.values())),
+                                  target.gpu_arch, deadline, cache.root)
+        compiled["the CUDA kernel images"] = cuda_driver.images_source(built)
+        images = dict(zip(built.names, (built.cubin, built.ptx)))
     compiler = compiler_for(target)
-    objects = cache.objects(compiler, {labels[name]: driver.with_header(text)
-                                       for name, text in sources.items() if name in labels},
-                            deadline)
+    objects = cache.objects(compiler, compiled, deadline)
     runner = objects.pop("the runner")
     link_shared(compiler, list(objects.values()), folder / "model.so", deadline)
     link_executable(compiler, [*objects.values(), runner], folder / "runner", deadline,
                     static=backend.toolchain.static_runner)
-    return {LIBRARY: (folder / "model.so").read_bytes(), RUNNER: (folder / "runner").read_bytes()}
+    return {LIBRARY: (folder / "model.so").read_bytes(), RUNNER: (folder / "runner").read_bytes(),
+            **images}
 
 
 def plan_json(plan: FusionPlan, kernels: Sequence[Kernel], memory: MemoryPlan,
