@@ -12,8 +12,6 @@ import asyncio
 import threading
 import time
 
-import pytest
-
 from device_agents.agent import Agent
 from kiln.pipeline import CompileOptions, compile_model
 from kiln.profile.machine import host_machine

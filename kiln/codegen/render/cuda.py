@@ -27,6 +27,9 @@ SHUFFLED_TYPES = frozenset({"float32", "float64", "int32", "int64", "uint32", "u
 # How two lanes' partial values combine, by reduction clause (reduction.py's): `a` and `b`.
 COMBINE = {"+": "a + b", "*": "a * b", "max": "(b > a ? b : a)", "min": "(b < a ? b : a)",
            "|": "(a | b)"}
+# Clauses whose value before the loop must join once, not once per lane (max, min and | may
+# repeat it).
+IDENTITY = {"+": "0", "*": "1"}
 
 PRELUDE = (
     "#include <stdint.h>",
@@ -120,10 +123,19 @@ class CudaRenderer(GpuRenderer):
         v = loop.var.name
         header = (f"for ({self.index_type} {v} = {self.expr(loop.start)} + {LANE}; {v} < "
                   f"{self.expr(loop.stop)}; {v} += {WARP}) {{")
-        combine = [f"{a.name} = kiln_warp_{list(COMBINE).index(op)}({a.name});"
-                   for op, a in loop.reductions]
-        return ["__syncwarp();", header, *_indent(self.statements(loop.body)), "}", *combine,
-                "__syncwarp();"]
+        before, combine = [], []
+        for op, a in loop.reductions:
+            reduced = f"kiln_warp_{list(COMBINE).index(op)}({a.name})"
+            # Each lane starts from the identity and the value before joins once (a loop split
+            # into pieces, passes.split_index_sets, reduces into one accumulator piece by piece).
+            if op in IDENTITY:
+                kept = f"{a.name}_before"
+                before += [f"const {self.types[a.dtype]} {kept} = {a.name};",
+                           f"{a.name} = {IDENTITY[op]};"]
+                reduced = f"{kept} {op} {reduced}"
+            combine.append(f"{a.name} = {reduced};")
+        body = [*before, header, *_indent(self.statements(loop.body)), "}", *combine]
+        return ["__syncwarp();", "{", *_indent(body), "}", "__syncwarp();"]
 
     def params(self, position: int) -> list[str]:
         return [f"unsigned char *a{position}"]
