@@ -123,3 +123,41 @@ def test_a_budget_that_ends_before_the_device_answers_measures_nothing(tmp_path,
                          for t in tasks)
     devices.reap(service.db, offline_after_s=3600)
     assert {t.status for t in service.tasks().values()} == {"expired"}
+
+
+def test_a_tuned_aarch64_job_through_the_service_is_measured_on_the_phone(tmp_path, service,  # noqa: F811
+                                                                          phone, small_model):  # noqa: F811
+    """The worker's compile of a job with `tune` hands the tuner the farm: the job's report says
+    the phone measured, and its entries are the phone's."""
+    import hashlib
+
+    from service.jobs import service as jobs
+    from service.jobs.schemas import JobCreate
+    from service.jobs.tables import Job
+    from service.models.tables import ModelRecord
+    from service.tenants.service import create_tenant
+    from workers.compile import run_job
+
+    settings = Settings(data_dir=tmp_path / "worker", database_url=service.database_url,
+                        storage_root=service.storage.root, measure_runs=3,
+                        measure_budget_seconds=0, heartbeat_seconds=0.2)
+    tenant = create_tenant(service.db, "acme")
+    data = small_model.read_bytes()
+    sha = hashlib.sha256(data).hexdigest()
+    service.storage.install_model(small_model, sha)
+    with service.db.write() as s:
+        model = ModelRecord(tenant_id=tenant.id, sha256=sha, size_bytes=len(data),
+                            filename="ffn.onnx", opset=17,
+                            inputs=[{"name": "x", "dtype": "float32", "shape": [1, 48, 64]}])
+        s.add(model)
+    with AgentThread(Agent(config(tmp_path, service, local=False, phone=phone))):
+        device = wait_online(service, "phone")
+        job = jobs.create(service.db, tenant.id, JobCreate(model_id=model.id, target="aarch64",
+                                                           tune="quick", tune_budget_s=300))
+        assert run_job(settings, service.db, job.id, "w1") == "succeeded"
+    with service.db.read() as s:
+        tuning = s.get(Job, job.id).report["tuning"]
+    assert tuning["measured"] >= 2 and "phone" in tuning["device"], tuning
+    entries = [e for e in service.entries() if '"kernel":' in e.schedule]
+    assert len(entries) == tuning["measured"]
+    assert {e.device_fingerprint for e in entries} == {device.fingerprint}
