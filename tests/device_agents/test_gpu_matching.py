@@ -81,3 +81,43 @@ def test_claims_hand_cuda_tasks_only_to_gpus_that_run_them(tmp_path):
     assert [d.name for d in devices.online_devices_for(db, "x86_64", "sm_80")] in (
         ["h100", "a100"], ["a100", "h100"])
     assert [d.name for d in devices.online_devices_for(db, "x86_64", "sm_90")] == ["h100"]
+
+
+def test_yellow_lookups_of_a_cuda_compile_go_to_a_gpu_that_runs_it(tmp_path):
+    """The workers' profile store picks the device class of a GPU that runs the target and
+    queues the probe (built with nvcc) for GPUs of at least its architecture."""
+    from sqlalchemy import select
+
+    from service.devices.tables import MeasurementTask
+    from service.storage import Storage
+    from tests.runtime.handmade import mlp
+    from tests.runtime.test_cuda import nvcc_missing
+    from workers.profile_store import DatabaseProfileStore
+
+    if nvcc_missing():
+        pytest.skip(nvcc_missing())
+    settings = Settings(data_dir=tmp_path / "data", measure_wait_seconds=0.2)
+    upgrade(settings.database_url)
+    db, storage = database(settings.database_url), Storage(settings.storage_root)
+    agent, _token = devices.create_agent(db, "gpus")
+    for name, capability in (("a100", "8.0"), ("h100", "9.0")):
+        facts = gpu_host(capability, name)
+        devices.register(db, agent.id, p.DeviceRegistration(
+            name=name, transport="ssh", facts=facts, fingerprint=facts.fingerprint,
+            agent_version="t"))
+    store = DatabaseProfileStore(db, storage, settings, "cuda-sm90")
+    assert store.fingerprint == gpu_host("9.0", "h100").fingerprint
+    assert store.latency(mlp().plan.graph, ["op0"]).source == "cost-model"  # nobody answers
+    assert store.stats()["dispatched"] == 1
+    with db.read() as s:
+        task = s.scalars(select(MeasurementTask)).one()
+    assert (task.arch, task.gpu_capability, task.device_fingerprint) == (
+        "x86_64", 900, store.fingerprint)
+    assert "kernels.sm_90.cubin" in str(zip_members(storage.resolve(task.artifact_path)))
+
+
+def zip_members(path) -> list[str]:
+    import zipfile
+
+    with zipfile.ZipFile(path) as archive:
+        return archive.namelist()
