@@ -1,15 +1,13 @@
 """This machine's NVIDIA GPU, asked through the CUDA driver library (libcuda.so.1) when it is there.
 
-Kiln needs no GPU to build CUDA artifacts; this tells the tuner (and `kiln` commands) whether one
-here can run them. The answer is the first GPU's compute capability, or None when the driver
-library is missing or finds no GPU.
+Kiln needs no GPU to build CUDA artifacts; this tells whether one is here (the tests of what a
+machine without one says skip on a machine with one). The answer is the first GPU's compute
+capability, or None when the driver library is missing or finds no GPU.
 """
 from __future__ import annotations
 
 import ctypes
 from functools import lru_cache
-
-from kiln.target import cuda_image_for
 
 DRIVER_LIBRARY = "libcuda.so.1"
 ATTRIBUTE_MAJOR, ATTRIBUTE_MINOR = 75, 76  # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR / MINOR
@@ -32,8 +30,3 @@ def gpu_capability() -> tuple[int, int] | None:
         return None
     return major.value, minor.value
 
-
-def gpu_runs_here(built: tuple[int, int]) -> bool:
-    """Whether this machine's GPU runs kernels built for compute capability `built`."""
-    here = gpu_capability()
-    return here is not None and cuda_image_for(built, here) is not None

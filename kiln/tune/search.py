@@ -39,7 +39,6 @@ from kiln.errors import KilnError
 from kiln.plan import Block, FusionPlan
 from kiln.profile import MEASURED, ProfileStore
 from kiln.measure.farm import Farm
-from kiln.runtime.cuda import gpu_runs_here
 from kiln.signature import kernel_signature
 from kiln.target import Target, host_target
 from kiln.tune import space
@@ -215,10 +214,10 @@ def _describe(entry: dict[str, Any]) -> str:
 
 
 def _runs_here(target: Target) -> bool:
+    """Whether the harness can time the target's kernels here: C for this CPU. A GPU's kernels
+    are measured through their runner on a device of the farm (a local agent's included)."""
     host = host_target()
-    if target.compute_capability is not None:
-        return target.is_native and gpu_runs_here(target.compute_capability)
-    return target.is_native and set(target.isa) <= set(host.isa)
+    return target.runs_on_cpu and target.is_native and set(target.isa) <= set(host.isa)
 
 
 def _groups(plan: FusionPlan, store: ProfileStore) -> list[Group]:
