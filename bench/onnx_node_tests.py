@@ -6,6 +6,10 @@ outputs: floats within max|diff| <= 1e-3·max|ref| + 1e-5, integers and bools ex
 code generator's `check_supported` refuses (for example a dtype it lacks) counts as unsupported.
 
     python bench/onnx_node_tests.py [--partitioners none,dnnfusion] [--filter SUBSTRING] [-j 2]
+                                    [--target opencl]
+
+`--target` compiles for another target this machine runs (default: host), e.g. `opencl`: the
+kernels then run on this machine's OpenCL device (PoCL on a CPU).
 """
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ from kiln.files import cache_dir
 from kiln.runtime.artifact import open_artifact
 from kiln.runtime.cli import compare
 from kiln.runtime.loader import CompiledModel
+from kiln.target import TARGET_NAMES
 
 SHIPPED_NODE_TESTS = Path(onnx.__file__).parent / "backend" / "test" / "data" / "node"
 NOT_TENSORS = "NOT_TENSORS"  # marks a test whose inputs or outputs are sequences, maps, optionals
@@ -106,7 +111,8 @@ def read_tensors(folder: Path, prefix: str) -> list[np.ndarray]:
     return arrays
 
 
-def run_test(test_dir: Path, partitioners: tuple[str, ...], work: Path) -> list[Outcome]:
+def run_test(test_dir: Path, partitioners: tuple[str, ...], work: Path,
+             target: str = "host") -> list[Outcome]:
     name = test_dir.name
     model = onnx.load(str(test_dir / "model.onnx"), load_external_data=False)
     missing = op_types(model) - set(codegen.supported_ops())
@@ -118,11 +124,11 @@ def run_test(test_dir: Path, partitioners: tuple[str, ...], work: Path) -> list[
                 for p in partitioners]
     data_sets = [(read_tensors(d, "input"), read_tensors(d, "output"))
                  for d in sorted(test_dir.glob("test_data_set_*"))]
-    return [_run_with(test_dir, model, data_sets, p, work) for p in partitioners]
+    return [_run_with(test_dir, model, data_sets, p, work, target) for p in partitioners]
 
 
 def _run_with(test_dir: Path, model: onnx.ModelProto, data_sets, partitioner: str,
-              work: Path) -> Outcome:
+              work: Path, target: str) -> Outcome:
     name = test_dir.name
     failures = []
     frozen = False
@@ -135,7 +141,8 @@ def _run_with(test_dir: Path, model: onnx.ModelProto, data_sets, partitioner: st
         out = work / f"{name}-{partitioner}-{index}.kiln"
         shapes = {n: a.shape for n, a in feeds.items()}
         try:
-            compile_artifact(path, out, CompileOptions(partitioner=partitioner, shapes=shapes),
+            compile_artifact(path, out, CompileOptions(partitioner=partitioner, shapes=shapes,
+                                                       target=target),
                              default_store(":memory:"))
             got = CompiledModel(open_artifact(out, work / "extracted"), threads=1).run(**feeds)
         except KilnError as exc:
@@ -194,13 +201,15 @@ def _first_line(exc: Exception) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def drive(tests: list[Path], partitioners: tuple[str, ...], work: Path) -> list[Outcome]:
+def drive(tests: list[Path], partitioners: tuple[str, ...], work: Path,
+          target: str = "host") -> list[Outcome]:
     """Run `tests` in worker processes, one after another; a test that kills its worker fails."""
     outcomes: list[Outcome] = []
     remaining = list(tests)
     while remaining:
         done = subprocess.run([sys.executable, __file__, "--worker", str(work),
-                               "--partitioners", ",".join(partitioners), *map(str, remaining)],
+                               "--partitioners", ",".join(partitioners), "--target", target,
+                               *map(str, remaining)],
                               capture_output=True, text=True, check=False)
         finished = [Outcome(*json.loads(line[len(MARK):])) for line in done.stdout.splitlines()
                     if line.startswith(MARK)]
@@ -214,10 +223,10 @@ def drive(tests: list[Path], partitioners: tuple[str, ...], work: Path) -> list[
     return outcomes
 
 
-def worker(tests: list[Path], partitioners: tuple[str, ...], work: Path) -> None:
+def worker(tests: list[Path], partitioners: tuple[str, ...], work: Path, target: str) -> None:
     for test_dir in tests:
         try:
-            outcomes = run_test(test_dir, partitioners, work)
+            outcomes = run_test(test_dir, partitioners, work, target)
         except Exception as exc:  # noqa: BLE001 (a bug in one test must not stop the others)
             outcomes = [Outcome(test_dir.name, p, "failed", f"{type(exc).__name__}: "
                                 f"{_first_line(exc)}") for p in partitioners]
@@ -231,19 +240,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--filter", default="", help="only tests whose name contains this")
     parser.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("-v", "--verbose", action="store_true", help="list unsupported tests too")
+    parser.add_argument("--target", default="host", choices=TARGET_NAMES,
+                        help="compile for this target; it must run on this machine (default: host)")
     parser.add_argument("--worker", metavar="DIR", help=argparse.SUPPRESS)
     parser.add_argument("tests", nargs="*", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     partitioners = tuple(args.partitioners.split(","))
     if args.worker:
-        worker(args.tests, partitioners, Path(args.worker))
+        worker(args.tests, partitioners, Path(args.worker), args.target)
         return 0
     tests = sorted(d for d in node_tests_dir().iterdir()
                    if args.filter in d.name and (d / "model.onnx").is_file())
     with tempfile.TemporaryDirectory(prefix="kiln-node-tests-") as tmp:
         shares = [tests[i::args.jobs] for i in range(args.jobs)]
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-            batches = pool.map(lambda share: drive(share, partitioners, Path(tmp)), shares)
+            batches = pool.map(lambda share: drive(share, partitioners, Path(tmp), args.target),
+                               shares)
             outcomes = sorted((o for batch in batches for o in batch),
                               key=lambda o: (o.test, o.partitioner))
     report(outcomes, partitioners, args.verbose)

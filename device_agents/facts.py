@@ -13,8 +13,9 @@ Two fingerprints:
   `kiln.profile.machine.host_machine().fingerprint`, the key Kiln's own SQLite profile store files
   CPU kernel latencies under, so measurements an agent takes on identical CPUs land on the same key.
 - `fingerprint` (sha256 hex) adds the rest of the identity: device kind, Arm core types, every
-  recorded ISA feature, the phone model, the GPU model, count, memory and compute capability, and
-  whether the device is emulated. Frequencies (governors, thermal caps, kernel tables), OS versions
+  recorded ISA feature, the phone model, the GPU model, count, memory and compute capability, the
+  OpenCL device Kiln's OpenCL runner picks (where there is one: PoCL on a CPU host, a phone's GPU),
+  and whether the device is emulated. Frequencies (governors, thermal caps, kernel tables), OS versions
   and builds, driver, CUDA and OpenCL versions are recorded but left out: the same hardware keeps
   its fingerprint across governors and OS updates.
 """
@@ -47,6 +48,7 @@ from kiln.cpuinfo import (
 from kiln.cpuinfo import clean_text as _clean
 from kiln.cpuinfo import parse_int as _int
 from kiln.profile.machine import ISA_FEATURES, static_fingerprint
+from kiln.target import runnable_targets
 
 FACTS_VERSION = 1
 DeviceKind = Literal["cpu", "phone", "gpu-host"]
@@ -92,6 +94,9 @@ class HardwareFacts(BaseModel):
     cuda_version: str | None = Field(None, max_length=32)
     opencl_version: str | None = Field(None, max_length=TEXT_LIMIT)
     opencl_device: str | None = Field(None, max_length=TEXT_LIMIT)
+    opencl_gpu: bool = False  # whether opencl_device is a GPU (else a CPU or an accelerator)
+    opencl_local_memory_bytes: int | None = Field(None, ge=0)
+    opencl_max_work_group_size: int | None = Field(None, ge=0)
     emulated: bool = False  # an emulator (ro.kernel.qemu): timings are not the hardware's
 
     @field_validator("isa")
@@ -119,8 +124,21 @@ class HardwareFacts(BaseModel):
                     self.gpu_compute_capability],
             "emulated": self.emulated,
         }
+        if self.opencl_device:  # only then: devices without OpenCL keep their fingerprints
+            identity["opencl"] = [self.opencl_device, self.opencl_gpu]
         text = json.dumps(identity, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()
+
+
+def device_targets(facts: Mapping) -> list[str]:
+    """The Kiln targets (`kiln.target.TARGET_NAMES`) whose artifacts a device with these facts
+    (a `HardwareFacts` as stored: a dict) runs: its architecture and ISA, and OpenCL where it has
+    an OpenCL device, CUDA where its NVIDIA GPU runs the target's code."""
+    from device_agents.matching import device_capability
+
+    runtimes = ["opencl"] if facts.get("opencl_device") else []
+    return list(runnable_targets(str(facts.get("arch", "")), facts.get("isa") or (), runtimes,
+                                 device_capability(facts)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,7 +224,9 @@ def parse_nvidia_smi_banner(text: str) -> dict:
 
 
 def parse_clinfo(text: str) -> dict:
-    """`clinfo` (default human-readable format): the first GPU device's name, version, memory."""
+    """`clinfo` (default human-readable format): the device Kiln's OpenCL runner picks (the first
+    GPU, else the first device of any type): name, version, memory, whether it is a GPU, local
+    memory size and largest work-group."""
     devices: list[dict[str, str]] = []
     for line in text.splitlines():
         match = re.match(r"^\s*(\S.*?)\s{2,}(\S.*?)\s*$", line)
@@ -219,15 +239,20 @@ def parse_clinfo(text: str) -> dict:
             devices[-1][key] = value
     # clinfo names each device again under "NULL platform behavior", without its type: only
     # entries that state a type are devices.
-    gpus = [d for d in devices if "GPU" in d.get("Device Type", "").upper()]
-    if not gpus:
+    typed = [d for d in devices if d.get("Device Type")]
+    gpus = [d for d in typed if "GPU" in d["Device Type"].upper()]
+    named = [d for d in typed if _clean(d.get("Device Name"))]
+    if not gpus and not named:
         return {}
-    device = gpus[0]
+    device = gpus[0] if gpus else named[0]
     memory = re.match(r"(\d+)", device.get("Global memory size", ""))
     return {
         "opencl_device": _clean(device.get("Device Name")) or None,
         "opencl_version": _clean(device.get("Device Version")) or None,
         "opencl_memory_mib": int(memory.group(1)) >> 20 if memory else None,
+        "opencl_gpu": bool(gpus),
+        "opencl_local_memory_bytes": _int(device.get("Local memory size", "").split(" ")[0]),
+        "opencl_max_work_group_size": _int(device.get("Max work group size", "")),
     }
 
 
@@ -315,10 +340,9 @@ def facts_from_probe(probe: str, files: str, transport: Transport) -> HardwareFa
         "isa": isa_features(cpu["flags"], arch),
         **parse_cpufreq(file_texts), **caches,
         **{k: v for k, v in gpu.items() if v is not None},
-        "opencl_version": opencl.get("opencl_version"),
-        "opencl_device": opencl.get("opencl_device"),
+        **{k: v for k, v in opencl.items() if k != "opencl_memory_mib" and v is not None},
     }
-    if not gpu.get("gpu_model") and opencl.get("opencl_device"):
+    if not gpu.get("gpu_model") and opencl.get("opencl_gpu"):
         facts |= {"gpu_model": opencl["opencl_device"], "gpu_count": 1,
                   "gpu_memory_mib": opencl.get("opencl_memory_mib")}
     if android:

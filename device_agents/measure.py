@@ -34,6 +34,7 @@ from pydantic import ValidationError
 
 from device_agents.backends import DeviceBackend
 from device_agents.facts import HardwareFacts
+from device_agents.matching import gpu_mismatch
 from device_agents.protocol import (
     MAX_KERNELS,
     MAX_LATENCY_S,
@@ -177,6 +178,9 @@ def check_compatible(artifact: Artifact, facts: HardwareFacts, device: str) -> N
     missing = [f for f in artifact.isa if f not in facts.isa]
     if missing:
         raise MeasurementError(f"the artifact uses {', '.join(missing)}, which {device} lacks")
+    gpu = gpu_mismatch(artifact.manifest["target"].get("gpu_arch", ""), facts, device)
+    if gpu:
+        raise MeasurementError(gpu)
 
 
 def runner_argv(remote_dir: str, bundle: Bundle, runs: int, warmup: int,

@@ -16,7 +16,7 @@ from kiln.errors import KilnError
 from kiln.pipeline import CompileOptions, compile_artifact, compile_model
 from kiln.plan import partitioner, partitioner_names
 from kiln.report import format_report
-from kiln.target import TARGET_NAMES
+from kiln.target import TARGET_NAMES, target
 from kiln.tune import DEFAULT_BUDGET_S, DEFAULT_MODE, TUNE_MODES, check_budget, format_tuning
 
 COMMAND_GROUP = "kiln.commands"
@@ -61,8 +61,9 @@ def add_compile_command(commands) -> argparse.ArgumentParser:
                      help="value of an input's symbolic dimensions (repeatable)")
     cmd.add_argument("-o", "--output", metavar="MODEL.kiln",
                      help="build the artifact here (without it, stop after planning)")
-    cmd.add_argument("--target", default="host", choices=TARGET_NAMES,
-                     help="machine the artifact runs on (default: this one)")
+    cmd.add_argument("--target", default="host", type=_target_name, metavar="TARGET",
+                     help=f"machine the artifact runs on: {', '.join(TARGET_NAMES)} or "
+                          f"cuda-sm<NN> (default: host, this one)")
     cmd.add_argument("--no-rewrite", action="store_true",
                      help="skip the math-property graph rewriting (see `kiln rules`)")
     cmd.add_argument("--tune", default=DEFAULT_MODE, choices=TUNE_MODES,
@@ -103,6 +104,14 @@ class _LineHelpFormatter(argparse.HelpFormatter):
             indent = line[:len(line) - len(line.lstrip())]
             lines += [indent + piece for piece in super()._split_lines(line, width - len(indent))]
         return lines
+
+
+def _target_name(text: str) -> str:
+    try:
+        target(text)
+    except KilnError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def _seconds(text: str) -> float:

@@ -15,6 +15,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from kiln import codegen, frontend, tune
 from kiln.ecg import Graph
+from kiln.measure.farm import Farm
 from kiln.plan import FusionPlan, partitioner
 from kiln.profile import Estimate, ProfileStore, check_store
 from kiln.report import fusion_report
@@ -99,9 +100,11 @@ def compile_model(path: str | Path, options: CompileOptions, store: ProfileStore
 
 def compile_artifact(model_path: str | Path, out_path: str | Path, options: CompileOptions,
                      store: ProfileStore, on_stage: StageCallback | None = None,
-                     on_progress: ProgressCallback | None = None) -> dict[str, Any]:
+                     on_progress: ProgressCallback | None = None,
+                     farm: Farm | None = None) -> dict[str, Any]:
     """Compile a model into an artifact at `out_path`; return the report (see kiln.runtime.artifact).
-    The artifact appears whole or not at all, also when the compile is interrupted."""
+    The artifact appears whole or not at all, also when the compile is interrupted. Tuning for
+    a target this machine cannot run measures on `farm`'s device (kiln.measure.farm)."""
     build_target = target(options.target)  # an unknown target fails before any work
     tune.check_mode(options.tune)
     tune.check_budget(options.tune_budget)
@@ -111,7 +114,8 @@ def compile_artifact(model_path: str | Path, out_path: str | Path, options: Comp
     extra: dict[str, Any] = {}
     if options.tune != "off":
         tuner = tune.tuner_for(partitioner(options.partitioner))
-        tuned = clock.run("tune", partial(tuner, on_progress=on_progress), result.plan,
+        tuned = clock.run("tune", partial(tuner, on_progress=on_progress, farm=farm),
+                          result.plan,
                           build_target, store, options.tune, options.tune_budget)
         schedules = tuned.block_schedules
         if options.tune != tune.DEFAULT_MODE or schedules:  # quiet when nothing was reused

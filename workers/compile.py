@@ -136,11 +136,12 @@ def compile_in_child(request: CompileRequest, reporter: sandbox.Reporter) -> dic
     settings, claim, events = request.settings, request.claim, CompileEvents(reporter)
     try:
         storage = Storage(settings.storage_root)
-        store = LookupRecorder(profile_store(settings, database(settings.database_url), storage,
-                                             claim.target))
+        inner = profile_store(settings, database(settings.database_url), storage, claim.target)
+        farm = inner.farm() if claim.tune != "off" and hasattr(inner, "farm") else None
+        store = LookupRecorder(inner)
         report = pipeline.compile_artifact(request.model, request.out, compile_options(claim),
                                            store, on_stage=events.stage,
-                                           on_progress=events.progress)
+                                           on_progress=events.progress, farm=farm)
     except KilnError as exc:
         if sandbox.caused_by_memory(exc):
             raise  # the sandbox names the memory limit

@@ -9,7 +9,8 @@ compile's target — the best entry, measured before predicted. On a miss:
 1. target `host` (and KILN_MEASURE_LOCAL, the default): the kernel is built alone as a probe
    artifact and measured on this machine with the agents' own code; the entry is stored under
    this machine's device fingerprint and the answer is `measured`;
-2. another target: when an online agent device of the target's architecture exists, a
+2. another target: when an online agent device that runs the target's artifacts exists (its
+   architecture, and for CUDA a GPU that runs the kernels: device_agents.matching), a
    measurement task is queued for its device class and the lookup waits for its result up to
    KILN_MEASURE_WAIT_SECONDS (and KILN_MEASURE_BUDGET_SECONDS over the whole compile);
 3. otherwise, or when that fails or times out, the roofline cost model answers (`cost-model`).
@@ -18,10 +19,11 @@ Blocks that run no kernel of their own (views) and blocks that cannot be built a
 by the cost model (and not tried again by this store). `stats()` counts the answers by kind:
 hit, measured-local, dispatched / measured-agent / timed-out, cost-model (why).
 
-The tuner's side (`schedules`, `record`) uses this machine's device class whatever the target:
-kiln.tune measures its candidates on the worker's own CPU (it tunes only targets that run here),
-so a tuned `x86_64` compile files its measurements under the worker, not under an agent device
-of that architecture (and does not fail when no such device is online).
+The tuner's side (`schedules`, `record`) uses this machine's device class: kiln.tune measures
+candidates of a target that runs here on the worker's own CPU, so a tuned `x86_64` compile files
+its measurements under the worker, not under an agent device of that architecture. A target that
+does not run here is tuned on the farm (`farm()`, workers.farm): on the device class the lookups
+go to, which files its measurements itself.
 """
 from __future__ import annotations
 
@@ -65,12 +67,21 @@ class DatabaseProfileStore:
     def _device_class(self) -> str | None:
         if self.local:
             return self._here()
-        online = devices.online_devices(self.db, arch=self.target.arch)
+        online = devices.online_devices_for(self.db, self.target.arch, self.target.gpu_arch)
         return online[0].fingerprint if online else None
 
     def _here(self) -> str:
         """This machine's device class, where the tuner's measurements belong."""
         return local_facts().fingerprint
+
+    def farm(self):
+        """The farm that tunes this compile's target, when it does not run here and an online
+        device runs it (a workers.farm.AgentFarm); else None."""
+        from workers.farm import AgentFarm
+
+        if self.local:
+            return None
+        return AgentFarm.for_target(self.db, self.storage, self.settings, self.target)
 
     def stats(self) -> dict[str, int]:
         return dict(self.counts)
@@ -157,7 +168,7 @@ class DatabaseProfileStore:
             built = self._build(probe, Path(tmp))
             wait = min(self.settings.measure_wait_seconds, self.wait_budget)
             task = submit_probes(
-                self.db, self.storage, built, self.target.arch,
+                self.db, self.storage, built, self.target.arch, gpu_arch=self.target.gpu_arch,
                 device_fingerprint=self.fingerprint, runs=self.settings.measure_runs,
                 priority=10, max_attempts=self.settings.measure_max_attempts,
                 deadline=utcnow() + timedelta(seconds=self.settings.measure_task_ttl_seconds))

@@ -13,6 +13,10 @@ from dataclasses import dataclass
 
 from kiln.codegen.render.c import CRenderer
 from kiln.codegen.render.cstyle import CStyleRenderer
+from kiln.codegen.render.cuda import CudaRenderer
+from kiln.codegen.render.gpu import GPU_SCHEDULE
+from kiln.codegen.render.opencl import OpenCLRenderer
+from kiln.codegen.schedule import DEFAULT_SCHEDULE, Schedule
 from kiln.errors import KilnError
 from kiln.target import Target
 
@@ -20,12 +24,16 @@ from kiln.target import Target
 @dataclass(frozen=True)
 class Toolchain:
     """How the runtime builds a backend's sources (`kiln.runtime.toolchain` runs it): flags for
-    every compile (the target adds its ISA flags) and for linking the library and the runner."""
+    every compile of host C (the target adds its ISA flags) and for linking the library and the
+    runner. `static_runner`: the runner is linked statically (it runs on any device of the
+    architecture); a runner that loads a device's driver library at run time is linked
+    dynamically, since a static program cannot load one."""
 
-    source_suffix: str
+    source_suffix: str  # of the kernel sources
     compile_flags: tuple[str, ...]
     link_flags: tuple[str, ...]
     libraries: tuple[str, ...]
+    static_runner: bool = True
 
 
 @dataclass(frozen=True)
@@ -34,6 +42,10 @@ class Backend:
     renderer: Callable[[], CStyleRenderer]  # a fresh renderer per kernel
     toolchain: Toolchain
     runner: str  # the runner's source among kiln.runtime's files: runs an artifact on a device
+    # The host side (kiln.runtime's drivers): "c" calls the kernels as C functions; "opencl"
+    # builds the kernel sources into an OpenCL program at run time and launches them.
+    driver: str = "c"
+    schedule: Schedule = DEFAULT_SCHEDULE  # the schedule parameters' defaults for its devices
 
 
 C_OPENMP = Backend(
@@ -49,7 +61,37 @@ C_OPENMP = Backend(
     runner="runner.c",
 )
 
-BACKENDS: dict[str, Backend] = {backend.name: backend for backend in (C_OPENMP,)}
+OPENCL = Backend(
+    name="opencl",
+    renderer=OpenCLRenderer,
+    toolchain=Toolchain(
+        source_suffix=".cl",
+        compile_flags=("-O2", "-fPIC"),  # the host driver; the device compiles the kernels
+        link_flags=(),
+        libraries=("-ldl",),  # libOpenCL.so is opened at run time, never linked
+        static_runner=False,
+    ),
+    runner="runner.c",
+    driver="opencl",
+    schedule=GPU_SCHEDULE,
+)
+
+CUDA = Backend(
+    name="cuda",
+    renderer=CudaRenderer,
+    toolchain=Toolchain(
+        source_suffix=".cu",  # nvcc builds them into cubin and PTX (kiln.runtime.nvcc)
+        compile_flags=("-O2", "-fPIC"),  # the host driver
+        link_flags=(),
+        libraries=("-ldl",),  # libcuda.so.1 is opened at run time, never linked
+        static_runner=False,
+    ),
+    runner="runner.c",
+    driver="cuda",
+    schedule=GPU_SCHEDULE,
+)
+
+BACKENDS: dict[str, Backend] = {backend.name: backend for backend in (C_OPENMP, OPENCL, CUDA)}
 
 
 def backend_for(target: Target) -> Backend:

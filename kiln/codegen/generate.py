@@ -11,7 +11,8 @@ The code generator, as a list of steps per block:
    and picks the parallel loops, following the `schedule.Schedule` parameters.
 3. `passes.bind_values` names common sub-expressions, one temporary each at the outermost loop
    where it is invariant.
-4. The target's backend (`backend.backend_for`) renders the kernel: C with OpenMP today.
+4. The target's backend (`backend.backend_for`) renders the kernel: C with OpenMP, or OpenCL C
+   (device entry points with their launches, `render/gpu.py`).
 
 Kernels use Kiln's identifiers only (tensor ids, k<i>_ symbols): no model name reaches a source.
 """
@@ -27,7 +28,7 @@ from kiln.codegen.kernel import Kernel
 from kiln.codegen.lower import BlockLowering
 from kiln.codegen.ops import registered
 from kiln.codegen.passes import bind_values
-from kiln.codegen.schedule import DEFAULT_SCHEDULE, Schedule
+from kiln.codegen.schedule import Schedule
 from kiln.ecg import Graph
 from kiln.errors import UnsupportedOpsError
 from kiln.ops import known_ops
@@ -67,11 +68,13 @@ def check_supported(graph: Graph) -> None:
         raise UnsupportedOpsError(found)
 
 
-def generate(plan: FusionPlan, target: Target, schedule: Schedule = DEFAULT_SCHEDULE,
+def generate(plan: FusionPlan, target: Target, schedule: Schedule | None = None,
              block_schedules: Mapping[str, Mapping[str, Any]] | None = None) -> list[Kernel]:
-    """One Kernel per block of the plan, in plan order (the kernel ABI of `kiln.codegen`)."""
+    """One Kernel per block of the plan, in plan order (the kernel ABI of `kiln.codegen`); the
+    schedule defaults to the target backend's."""
     check_supported(plan.graph)
     backend = backend_for(target)
+    schedule = schedule or backend.schedule
     block_schedules = block_schedules or {}
     return [_kernel(plan.graph, block, i, target, backend,
                     schedule.merged(block_schedules.get(block.id)).for_isa(target.isa))
@@ -87,11 +90,12 @@ def _kernel(graph: Graph, block: Block, index: int, target: Target, backend: Bac
     symbol = kernel_symbol(block, index)
     lowered = BlockLowering(graph, block, symbol, schedule).lower()
     bind_values(lowered.kernel)
-    source = backend.renderer().kernel(lowered.kernel, f"Kiln kernel {symbol} (block {block.id}, "
-                                                       f"target {target.name})")
+    renderer = backend.renderer()
+    source = renderer.kernel(lowered.kernel, f"Kiln kernel {symbol} (block {block.id}, "
+                                             f"target {target.name})")
     record = {"target": target.name, "arch": target.arch, **schedule.as_dict(),
               "stages": lowered.stage_info}
     return Kernel(symbol=symbol, block_id=block.id, source=source,
                   args=tuple(lowered.inputs + lowered.outputs), outputs=tuple(lowered.outputs),
                   derived_constants=lowered.derived, schedule=record,
-                  scratch_bytes=lowered.kernel.scratch_bytes)
+                  scratch_bytes=lowered.kernel.scratch_bytes, launches=renderer.launches)

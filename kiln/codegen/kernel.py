@@ -9,6 +9,16 @@ import numpy as np
 
 
 @dataclass(frozen=True)
+class Launch:
+    """One device entry point of a kernel a GPU backend renders (`kiln.codegen.render.gpu`): the
+    function `<Kernel.symbol><suffix>`, run on `work_items` work-items (threads) in a 1-D range.
+    The host launches a kernel's entry points in order, each after the previous one finished."""
+
+    suffix: str
+    work_items: int
+
+
+@dataclass(frozen=True)
 class Kernel:
     symbol: str  # C identifier, unique within a model, e.g. k3_fused_matmul_add_gelu
     block_id: str
@@ -18,3 +28,5 @@ class Kernel:
     derived_constants: dict[str, np.ndarray] = field(default_factory=dict)  # e.g. packed weights
     schedule: dict[str, Any] = field(default_factory=dict)  # parameters the source was made with
     scratch_bytes: int = 0
+    # A GPU backend's source defines device entry points instead of `symbol` (see Launch).
+    launches: tuple[Launch, ...] = ()

@@ -7,9 +7,12 @@ Members:
   the kernel list, memory totals, `files` (SHA-256 of every other member) and `content_hash`
   (SHA-256 of the sorted `files` JSON), which names the artifact.
 - `weights.bin`: the weights region (see kiln.runtime.memory), read by `kiln_model_create`.
-- `src/`: the kernel sources (one file per distinct kernel body), the driver `model.c`,
+- `src/`: the kernel sources (one file per distinct kernel body: C, or OpenCL C `.cl` that the
+  OpenCL driver also embeds and builds on the device at run time), the driver `model.c`,
   `kiln_model.h` and `runner.c`.
 - `lib/libkiln_model.so`: the kernels and driver as a shared library (kiln_model.h's interface).
+- `lib/kernels.sm_<NN>.cubin`, `lib/kernels.compute_<NN>.ptx` (CUDA targets): the kernels as nvcc
+  built them (`.cu` sources in `src/`), also embedded in the library and the runner.
 - `bin/kiln-runner`: the same, statically linked with runner.c (usage in runner.c).
 - `plan.json`: the fusion plan's blocks, every kernel's arguments with their locations, and
   the memory plan. `report.json`: the fusion report with memory totals.
@@ -40,7 +43,7 @@ from kiln.codegen.backend import backend_for
 from kiln.errors import KilnError
 from kiln.plan import FusionPlan
 from kiln.files import cache_dir, temporary_beside
-from kiln.runtime import driver
+from kiln.runtime import cuda_driver, driver, nvcc, opencl_driver
 from kiln.runtime.memory import MemoryPlan, plan_memory, weights_blob
 from kiln.runtime.toolchain import (
     BuildCache,
@@ -109,11 +112,18 @@ def memory_report(memory: MemoryPlan, kernels: Sequence[Kernel],
     }
 
 
+# The host drivers by `Backend.driver`: the module writing model.c, and whether the kernels are
+# host C compiled into the library (else the driver builds them on the device at run time).
+DRIVERS = {"c": (driver, True), "opencl": (opencl_driver, False), "cuda": (cuda_driver, False)}
+
+
 def _sources(plan: FusionPlan, kernels: Sequence[Kernel], memory: MemoryPlan,
              units: dict[str, driver.KernelUnit], target: Target) -> dict[str, str]:
-    """File name -> C source: one file per distinct kernel body, the driver and the runner."""
-    sources = {f"{u.function}.c": u.source for u in units.values()}
-    sources["model.c"] = driver.model_source(plan.graph, kernels, memory, units)
+    """File name -> source: one file per distinct kernel body, the driver and the runner."""
+    backend = backend_for(target)
+    sources = {f"{u.function}{backend.toolchain.source_suffix}": u.source for u in units.values()}
+    host_driver, _ = DRIVERS[backend.driver]
+    sources["model.c"] = host_driver.model_source(plan.graph, kernels, memory, units)
     sources[driver.HEADER_NAME] = driver.header_text()
     runner = backend_for(target).runner
     sources[runner] = resources.files("kiln.runtime").joinpath(runner).read_text()
@@ -123,17 +133,27 @@ def _sources(plan: FusionPlan, kernels: Sequence[Kernel], memory: MemoryPlan,
 def _binaries(sources: dict[str, str], units: dict[str, driver.KernelUnit], target: Target,
               cache: BuildCache, folder: Path, deadline: float) -> dict[str, bytes]:
     """The shared library and the runner; objects are named in compiler errors by `labels`."""
-    labels = {"model.c": "the model driver", backend_for(target).runner: "the runner"}
-    for symbol, unit in units.items():
-        labels.setdefault(f"{unit.function}.c", f"kernel {symbol}")
+    backend = backend_for(target)
+    labels = {"model.c": "the model driver", backend.runner: "the runner"}
+    if DRIVERS[backend.driver][1]:
+        for symbol, unit in units.items():
+            labels.setdefault(f"{unit.function}{backend.toolchain.source_suffix}", f"kernel {symbol}")
+    compiled = {labels[name]: driver.with_header(text)
+                for name, text in sources.items() if name in labels}
+    images = {}
+    if backend.driver == "cuda":  # nvcc builds the kernels now; the images are linked in
+        built = nvcc.build_images(cuda_driver.program_source(list(units.values())),
+                                  target.gpu_arch, deadline, cache.root)
+        compiled["the CUDA kernel images"] = cuda_driver.images_source(built)
+        images = dict(zip(built.names, (built.cubin, built.ptx)))
     compiler = compiler_for(target)
-    objects = cache.objects(compiler, {labels[name]: driver.with_header(text)
-                                       for name, text in sources.items() if name in labels},
-                            deadline)
+    objects = cache.objects(compiler, compiled, deadline)
     runner = objects.pop("the runner")
     link_shared(compiler, list(objects.values()), folder / "model.so", deadline)
-    link_executable(compiler, [*objects.values(), runner], folder / "runner", deadline)
-    return {LIBRARY: (folder / "model.so").read_bytes(), RUNNER: (folder / "runner").read_bytes()}
+    link_executable(compiler, [*objects.values(), runner], folder / "runner", deadline,
+                    static=backend.toolchain.static_runner)
+    return {LIBRARY: (folder / "model.so").read_bytes(), RUNNER: (folder / "runner").read_bytes(),
+            **images}
 
 
 def plan_json(plan: FusionPlan, kernels: Sequence[Kernel], memory: MemoryPlan,
@@ -179,7 +199,8 @@ def _manifest(plan: FusionPlan, kernels: Sequence[Kernel], target: Target, memor
         "kiln_version": kiln.__version__,
         "model": graph.name,
         "target": {"name": target.name, "arch": target.arch, "isa": list(target.isa),
-                   "cc": target.cc, "cflags": list(target.cflags)},
+                   "cc": target.cc, "cflags": list(target.cflags), "backend": target.backend,
+                   "gpu_arch": target.gpu_arch},
         "partitioner": plan.partitioner,
         "inputs": tensors(graph.inputs),
         "outputs": tensors(graph.outputs),

@@ -145,9 +145,11 @@ def link_shared(compiler: Compiler, objects: Sequence[Path], out: Path,
 
 
 def link_executable(compiler: Compiler, objects: Sequence[Path], out: Path,
-                    deadline: float | None = None) -> None:
-    """A statically linked executable: it runs on any device of the target's architecture."""
-    run_tool([compiler.command, "-static", *compiler.link_flags, *map(str, objects),
+                    deadline: float | None = None, static: bool = True) -> None:
+    """An executable, statically linked where `static` (it then runs on any device of the
+    target's architecture; one that loads a driver library at run time cannot be static)."""
+    run_tool([compiler.command, *(["-static"] if static else []), *compiler.link_flags,
+              *map(str, objects),
               *compiler.libraries, "-o", str(out)],
              "linking the runner", deadline)
 

@@ -23,6 +23,7 @@ from typing import Any
 
 from kiln.ecg import Graph
 from kiln.mapping import MappingType
+from kiln.measure.farm import Farm
 from kiln.plan import Block, FusionPlan
 from kiln.plan.ago import Settings, cluster, default_weights
 from kiln.plan.blocks import build_plan
@@ -61,7 +62,7 @@ def join(schedules: list[tuple[float, dict[str, Any]]]) -> dict[str, Any]:
 def tune_by_parts(plan: FusionPlan, target: Target, store: ProfileStore, mode: str = "quick",
                   budget_s: float | None = None, threads: int | None = None,
                   log: Callable[[str], None] | None = None,
-                  on_progress: ProgressCallback | None = None) -> TuneResult:
+                  on_progress: ProgressCallback | None = None, farm: Farm | None = None) -> TuneResult:
     """`tune_plan`'s contract (same arguments, same result), by split, tune and join."""
     budget = check_budget(budget_s) or DEFAULT_BUDGET_S.get(mode, 0.0)
     graph = plan.graph
@@ -69,10 +70,11 @@ def tune_by_parts(plan: FusionPlan, target: Target, store: ProfileStore, mode: s
     for block in plan.blocks:
         parts[block.id] = split(graph, block, store) if is_complicated(graph, block) else []
     if mode in ("off", "reuse") or not any(parts.values()):  # reuse measures nothing to split
-        return tune_plan(plan, target, store, mode, budget, threads, log, on_progress)
+        return tune_plan(plan, target, store, mode, budget, threads, log, on_progress, farm)
     groups = [p for block in plan.blocks for p in (parts[block.id] or [list(block.op_ids)])]
     minis = build_plan(graph, groups, f"{plan.partitioner} (split)")
-    first = tune_plan(minis, target, store, mode, budget * SPLIT_SHARE, threads, log, on_progress)
+    first = tune_plan(minis, target, store, mode, budget * SPLIT_SHARE, threads, log, on_progress,
+                      farm)
     model = store.fallback or store
     mini_of = {b.op_ids[0]: b for b in minis.blocks}
     initial: dict[str, dict[str, Any]] = {}
@@ -87,7 +89,7 @@ def tune_by_parts(plan: FusionPlan, target: Target, store: ProfileStore, mode: s
             initial[block.id] = join(tuned)
     spent = float(first.report.get("seconds", 0.0))
     second = tune_plan(plan, target, store, mode, max(budget - spent, 1e-3), threads, log,
-                       on_progress, initial=initial)
+                       on_progress, farm, initial=initial)
     report = dict(second.report)
     report["reformer"] = {
         "split": {b: len(p) for b, p in parts.items() if p},

@@ -18,7 +18,9 @@ def format_tuning(t: dict[str, Any]) -> str:
     the reasons its failed measurements gave."""
     if "all" in t.get("skipped", {}):
         return f"tuning ({t['mode']}): skipped: {t['skipped']['all']}"
-    lines = [f"tuning ({t['mode']}, {t['threads']} threads): {len(t['groups'])} distinct blocks, "
+    where = f" on {t['device']}" if t.get("device", "this machine") != "this machine" else ""
+    threads = f"{t['threads']} threads" if t.get("threads") else "the device's threads"
+    lines = [f"tuning ({t['mode']}, {threads}{where}): {len(t['groups'])} distinct blocks, "
              f"{t['measured']} kernels measured, {t['reused']} reused from the profile database, "
              f"{t['failed']} failed; {t['seconds']:.1f} s of {t['budget_s']:g} s; "
              f"{len(t['schedules'])} blocks with a non-default schedule"]

@@ -1,4 +1,6 @@
-"""The tuner: per distinct block, the schedule that runs fastest on this CPU.
+"""The tuner: per distinct block, the schedule that runs fastest on the target's device: this
+CPU, or, for a target this machine cannot run, a matching device of the farm (a `Farm`,
+kiln.measure.farm: the service's agents), which measures each batch and records it itself.
 
 Blocks are grouped by kernel signature (`kiln.signature`): identical transformer layers are one
 group, tuned once, and the winner applies to every block of the group. Groups are tuned heaviest
@@ -40,11 +42,11 @@ from kiln.codegen import Kernel, check_supported, generate
 from kiln.errors import KilnError
 from kiln.plan import Block, FusionPlan
 from kiln.profile import MEASURED, ProfileStore
-from kiln.runtime.toolchain import BuildCache, compiler_for
+from kiln.measure.farm import Farm
 from kiln.signature import kernel_signature
 from kiln.target import Target, host_target
 from kiln.tune import space
-from kiln.measure.harness import Candidate, Harness
+from kiln.tune.measurers import FarmMeasurer, LocalMeasurer, StoredMeasurer
 from kiln.tune.report import format_seconds
 
 TUNE_MODES = ("off", "reuse", "quick", "full")
@@ -134,10 +136,11 @@ class _Progress:
 def tune_plan(plan: FusionPlan, target: Target, store: ProfileStore, mode: str = "quick",
               budget_s: float | None = None, threads: int | None = None,
               log: Callable[[str], None] | None = None,
-              on_progress: ProgressCallback | None = None,
+              on_progress: ProgressCallback | None = None, farm: Farm | None = None,
               initial: Mapping[str, dict[str, Any]] | None = None) -> TuneResult:
     """Per-block schedule overrides for `generate(..., block_schedules=...)`, and a report.
-    `on_progress("tune", done, total, what)` follows each kernel measured. `initial` (block id
+    `on_progress("tune", done, total, what)` follows each kernel measured. A target this machine
+    cannot run is measured on `farm` (when given; else tuning is skipped). `initial` (block id
     → overrides) adds a starting schedule to a block's candidates (AGO's reformer layer joins
     the schedules tuned for a subgraph's parts into one, `kiln.tune.reformer`)."""
     check_mode(mode)
@@ -147,25 +150,36 @@ def tune_plan(plan: FusionPlan, target: Target, store: ProfileStore, mode: str =
                               "failed": 0, "groups": [], "skipped": {}}
     if mode == "off":
         return TuneResult({}, report | {"seconds": 0.0})
-    if not _runs_here(target):
-        if mode == "reuse":  # nothing was asked for: no measurements of this machine apply
-            return TuneResult({}, report | {"seconds": 0.0})
+    here = _runs_here(target)
+    if mode == "reuse" and not here:  # nothing was asked for: no measurements of this machine apply
+        return TuneResult({}, report | {"seconds": 0.0})
+    if not here and farm is None:
         report["skipped"]["all"] = (f"target {target.name} ({target.arch}, "
-                                    f"{'/'.join(target.isa)}) cannot be measured on this machine")
+                                    f"{'/'.join(target.isa or (target.gpu_arch,))}) cannot be "
+                                    f"measured on this machine, and no device of the farm "
+                                    f"matches it")
         return TuneResult({}, report | {"seconds": 0.0})
     check_supported(plan.graph)
     deadline = start + budget
-    threads = threads or int(os.environ.get("KILN_NUM_THREADS", 0) or 0) or os.cpu_count() or 1
+    if here:
+        threads = threads or int(os.environ.get("KILN_NUM_THREADS", 0) or 0) or os.cpu_count() or 1
+    if mode == "reuse":
+        schedules = _reused_schedules(plan, target, StoredMeasurer(plan.graph, store, threads),
+                                      report)
+        return TuneResult(schedules, report | {"seconds": round(time.monotonic() - start, 3),
+                                               "threads": threads, "schedules": schedules})
+    if here:
+        measurer: LocalMeasurer | FarmMeasurer = LocalMeasurer(plan.graph, target, store, threads)
+    else:
+        measurer = FarmMeasurer(plan.graph, farm)
+        threads = measurer.threads
+    report["device"] = measurer.where
     groups = _groups(plan, store)
     total = sum(g.weight for g in groups) or 1.0
     min_share = QUICK_MIN_SHARE if mode == "quick" else FULL_MIN_SHARE
     schedules: dict[str, dict[str, Any]] = {}
     progress = _Progress(on_progress)
-    if mode == "reuse":
-        schedules = _reused_schedules(plan, target, store, threads, report)
-        return TuneResult(schedules, report | {"seconds": round(time.monotonic() - start, 3),
-                                               "threads": threads, "schedules": schedules})
-    with Harness(plan.graph, compiler_for(target), BuildCache(), threads) as harness:
+    try:
         for group in groups:
             if group.weight / total < min_share:
                 report["skipped"][group.blocks[0].name] = f"under {min_share:.2%} of the estimated time"
@@ -183,8 +197,8 @@ def tune_plan(plan: FusionPlan, target: Target, store: ProfileStore, mode: str =
             share = (deadline - now) * group.weight / max(remaining_weight, 1e-30)
             remaining_weight -= group.weight
             group_deadline = deadline if mode == "quick" else min(deadline, now + max(share, 0.0))
-            tuner = _GroupTuner(plan, group, target, store, harness, threads, group_deadline,
-                                progress, dict((initial or {}).get(group.blocks[0].id) or {}))
+            tuner = _GroupTuner(plan, group, target, store, measurer, group_deadline, progress,
+                                dict((initial or {}).get(group.blocks[0].id) or {}))
             entry = tuner.run(mode)
             report["measured"] += tuner.measured
             report["reused"] += tuner.reused
@@ -195,18 +209,20 @@ def tune_plan(plan: FusionPlan, target: Target, store: ProfileStore, mode: str =
             if entry["best"]:
                 for block in group.blocks:
                     schedules[block.id] = dict(entry["best"])
+    finally:
+        measurer.close()
     report["seconds"] = round(time.monotonic() - start, 3)
     report["threads"] = threads
     report["schedules"] = schedules
     return TuneResult(schedules, report)
 
 
-def _reused_schedules(plan: FusionPlan, target: Target, store: ProfileStore, threads: int,
+def _reused_schedules(plan: FusionPlan, target: Target, measurer: StoredMeasurer,
                       report: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Per block, the best schedule measured for its group earlier (see `reuse` above)."""
     schedules: dict[str, dict[str, Any]] = {}
-    for group in _groups(plan, store):
-        tuner = _GroupTuner(plan, group, target, store, None, threads, float("inf"),
+    for group in _groups(plan, measurer.store):
+        tuner = _GroupTuner(plan, group, target, measurer.store, measurer, float("inf"),
                             _Progress(None))
         if not tuner.known:
             continue
@@ -233,8 +249,10 @@ def _describe(entry: dict[str, Any]) -> str:
 
 
 def _runs_here(target: Target) -> bool:
+    """Whether the harness can time the target's kernels here: C for this CPU. A GPU's kernels
+    are measured through their runner on a device of the farm (a local agent's included)."""
     host = host_target()
-    return target.is_native and set(target.isa) <= set(host.isa)
+    return target.runs_on_cpu and target.is_native and set(target.isa) <= set(host.isa)
 
 
 def _groups(plan: FusionPlan, store: ProfileStore) -> list[Group]:
@@ -264,12 +282,12 @@ class _GroupTuner:
     """Tunes one group: candidates → kernels (deduplicated by source) → store or harness."""
 
     def __init__(self, plan: FusionPlan, group: Group, target: Target, store: ProfileStore,
-                 harness: Harness | None, threads: int, deadline: float, progress: _Progress,
-                 initial: dict[str, Any] | None = None):
+                 measurer: LocalMeasurer | FarmMeasurer | StoredMeasurer, deadline: float,
+                 progress: _Progress, initial: dict[str, Any] | None = None):
         self.plan, self.group, self.target = plan, group, target
         self.initial = initial or {}
         self.progress = progress
-        self.store, self.harness, self.threads = store, harness, threads
+        self.store, self.measurer, self.threads = store, measurer, measurer.threads
         self.deadline = deadline
         self.block = group.blocks[0]
         self.alone = replace(plan, blocks=(self.block,))  # generate() makes just its kernel
@@ -297,7 +315,7 @@ class _GroupTuner:
     def _stored(self) -> dict[str, float]:
         """kernel hash -> median of earlier measurements with this thread count."""
         known: dict[str, float] = {}
-        for schedule, median in self.store.schedules(self.plan.graph, self.op_ids):
+        for schedule, median in self.measurer.stored(self.op_ids):
             h = schedule.get("kernel") if isinstance(schedule, dict) else None
             if h and schedule.get("threads") == self.threads:
                 known.setdefault(h, median)
@@ -306,10 +324,12 @@ class _GroupTuner:
     def stored_overrides(self) -> list[dict[str, Any]]:
         """The schedules measured for this group earlier with this thread count."""
         return [{k: v for k, v in schedule.items() if k not in ("kernel", "threads")}
-                for schedule, _ in self.store.schedules(self.plan.graph, self.op_ids)
+                for schedule, _ in self.measurer.stored(self.op_ids)
                 if isinstance(schedule, dict) and schedule.get("threads") == self.threads]
 
     def _record(self, overrides: dict[str, Any], h: str, samples: Sequence[float]) -> None:
+        if not self.measurer.records:  # the farm filed them under its device already
+            return
         schedule = {**overrides, "kernel": h, "threads": self.threads}
         try:
             self.store.record(self.plan.graph, self.op_ids, list(samples), MEASURED,
@@ -333,11 +353,11 @@ class _GroupTuner:
                 self.reused += 1
                 continue
             batch[h] = (overrides, k)
-        if not batch or self.harness is None or time.monotonic() >= self.deadline:
+        if not batch or not self.measurer.measures or time.monotonic() >= self.deadline:
             return
         self.progress.add(len(batch))
-        result = self.harness.measure([Candidate(h, k) for h, (_, k) in batch.items()],
-                                      self.deadline)
+        result = self.measurer.measure(self.op_ids, [(h, o, k) for h, (o, k) in batch.items()],
+                                       self.deadline)
         self.progress.withdraw(sum(1 for h in batch  # out of time before their turn
                                    if h not in result.samples and h not in result.failed))
         for h, (overrides, _) in batch.items():

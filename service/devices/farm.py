@@ -12,6 +12,7 @@ from pydantic import BaseModel, Field
 from sqlalchemy import func, or_, select
 
 from device_agents import protocol as p
+from device_agents.facts import device_targets
 from service.db import Database
 from service.devices import selector as sel
 from service.devices.service import CLAIMED, QUEUED
@@ -42,6 +43,9 @@ class DeviceOut(BaseModel):
     transport: str
     features: list[str] = Field(description="ISA features recorded from the device")
     fingerprint: str = Field(description="the device class its profile entries are filed under")
+    targets: list[str] = Field(description="the compile targets whose artifacts it runs "
+                               "(`kiln compile --target`): its CPU's, and opencl or "
+                               "opencl-aarch64 where it has an OpenCL device")
     facts: dict[str, Any] = Field(description="everything read from the device (cores, caches, "
                                   "memory, GPU model, Android build…)")
     emulated: bool
@@ -59,7 +63,8 @@ def _out(device: Device, agent: str, queued: int, running: int) -> DeviceOut:
     return DeviceOut(
         id=device.id, name=device.name, agent=agent, kind=device.kind, arch=device.arch,
         transport=device.transport, features=list((device.facts or {}).get("isa") or ()),
-        fingerprint=device.fingerprint, facts=device.facts or {}, emulated=device.emulated,
+        fingerprint=device.fingerprint, targets=device_targets(device.facts or {}),
+        facts=device.facts or {}, emulated=device.emulated,
         status=device.status, online=device.status != p.DeviceState.offline.value,
         error=device.error, last_heartbeat_at=device.last_heartbeat_at,
         registered_at=device.registered_at, queued_tasks=queued, running_tasks=running)

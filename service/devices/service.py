@@ -21,6 +21,12 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from device_agents import protocol as p
+from device_agents.matching import (
+    capability_number,
+    device_capability,
+    gpu_arch_number,
+    gpu_mismatch,
+)
 from service.db import Database, utcnow
 from service.devices.tables import Agent, Device, MeasurementTask
 from service.profiles.service import NewEntry, ProfileError, summarize, upsert_entries
@@ -200,8 +206,11 @@ def claim(db: Database, agent_id: str, device_id: str, max_tasks: int, lease_s: 
         if device.status == p.DeviceState.offline.value:
             raise AgentError(f"device {device_id} is offline; register it again first", 409)
         T = MeasurementTask
+        capability = device_capability(device.facts or {})
+        gpu = T.gpu_capability.is_(None) if capability is None else or_(
+            T.gpu_capability.is_(None), T.gpu_capability <= capability_number(capability))
         pick = (select(T.id).where(
-            T.status == QUEUED, T.arch == device.arch,
+            T.status == QUEUED, T.arch == device.arch, gpu,
             or_(T.device_fingerprint.is_(None), T.device_fingerprint == device.fingerprint),
             or_(T.deadline.is_(None), T.deadline > now))
             .order_by(T.priority.desc(), T.created_at, T.id).limit(max_tasks))
@@ -295,16 +304,17 @@ def submit_result(db: Database, agent_id: str, body: p.ResultUpload,
 
 def create_task(db: Database, *, artifact_path: str, artifact_sha256: str, arch: str,
                 kernels: dict[str, dict[str, Any]], device_fingerprint: str | None = None,
-                toolchain: str = "", runs: int = 10, warmup: int = 2, repeats: int = 1,
-                threads: int | None = None, timeout_s: float = 600.0, priority: int = 0,
-                deadline: datetime | None = None, max_attempts: int = 3) -> str:
+                gpu_arch: str = "", toolchain: str = "", runs: int = 10, warmup: int = 2,
+                repeats: int = 1, threads: int | None = None, timeout_s: float = 600.0,
+                priority: int = 0, deadline: datetime | None = None, max_attempts: int = 3) -> str:
     if not kernels:
         raise AgentError("a measurement task needs at least one kernel")
     first = next(iter(kernels.values()))
     with db.write() as s:
         task = MeasurementTask(
             artifact_path=artifact_path, artifact_sha256=artifact_sha256, arch=arch,
-            device_fingerprint=device_fingerprint, signature=first["signature"],
+            gpu_capability=gpu_arch_number(gpu_arch), device_fingerprint=device_fingerprint,
+            signature=first["signature"],
             schedule=first.get("schedule", "{}"), kernels=kernels, toolchain=toolchain[:200],
             runs=runs, warmup=warmup, repeats=repeats, threads=threads, timeout_s=timeout_s,
             priority=priority, deadline=deadline, max_attempts=max_attempts, status=QUEUED,
@@ -318,6 +328,17 @@ def task_status(db: Database, task_ids: Sequence[str]) -> dict[str, str]:
     with db.read() as s:
         return dict(s.execute(select(MeasurementTask.id, MeasurementTask.status)
                               .where(MeasurementTask.id.in_(list(task_ids)))).all())
+
+
+def task_error(db: Database, task_id: str) -> str | None:
+    with db.read() as s:
+        return s.scalar(select(MeasurementTask.error).where(MeasurementTask.id == task_id))
+
+
+def online_devices_for(db: Database, arch: str, gpu_arch: str = "") -> list[Device]:
+    """Online devices of `arch` that run kernels built for `gpu_arch` (any, without one)."""
+    return [d for d in online_devices(db, arch=arch)
+            if gpu_mismatch(gpu_arch, d.facts or {}, d.name) is None]
 
 
 def online_devices(db: Database, arch: str | None = None,

@@ -9,7 +9,9 @@ measure on a device of `arch` — of the device class `device_fingerprint` when 
 each of the artifact's blocks to the (signature, schedule) its latency is filed under. Life:
 queued → claimed (device_id, lease_expires_at) → done | failed; a lease that expires, a release,
 or its device going offline returns it to queued (attempts counts claims; after max_attempts it
-fails); a task still queued at its `deadline` expires.
+fails); a task still queued at its `deadline` expires. A task of a CUDA artifact goes only to a
+device whose GPU runs it: `gpu_capability` is the artifact's (major * 100 + minor,
+device_agents.matching), at most the device's.
 """
 from __future__ import annotations
 
@@ -71,6 +73,7 @@ class MeasurementTask(Base):
     artifact_path: Mapped[str] = mapped_column(String(500))  # relative to the storage root
     artifact_sha256: Mapped[str] = mapped_column(String(64))
     arch: Mapped[str] = mapped_column(String(32))
+    gpu_capability: Mapped[int | None] = mapped_column(Integer, nullable=True)  # CUDA: 800 = sm_80
     device_fingerprint: Mapped[str | None] = mapped_column(String(64), nullable=True)
     signature: Mapped[str | None] = mapped_column(String(64), nullable=True)  # the first kernel's
     schedule: Mapped[str] = mapped_column(String(1000), default="{}")

@@ -18,7 +18,7 @@ class JobCreate(BaseModel):
          "shapes": {"input_ids": [1, 128]}, "tune": "quick", "tune_budget_s": 30}]})
 
     model_id: str = Field(max_length=64)
-    target: str = Field("host", description="one of kiln.target.TARGET_NAMES")
+    target: str = Field("host", description="one of kiln.target.TARGET_NAMES, or cuda-sm<NN>")
     partitioner: str = Field("dnnfusion", description="one of kiln.plan.partitioner_names()")
     shapes: dict[str, list[int]] = Field(default_factory=dict,
                                          description="values of the inputs' symbolic dimensions")
@@ -33,10 +33,13 @@ class JobCreate(BaseModel):
     @field_validator("target")
     @classmethod
     def _known_target(cls, value: str) -> str:
-        from kiln.target import TARGET_NAMES
+        from kiln.errors import KilnError
+        from kiln.target import target
 
-        if value not in TARGET_NAMES:
-            raise ValueError(f"unknown target {value!r}; choose one of {', '.join(TARGET_NAMES)}")
+        try:
+            target(value)
+        except KilnError as exc:
+            raise ValueError(str(exc)) from None
         return value
 
     @field_validator("partitioner")

@@ -36,7 +36,7 @@ def store_probe_artifact(storage: Storage, path: Path) -> tuple[str, str]:
     return rel, sha
 
 
-def submit_probes(db: Database, storage: Storage, built, arch: str, *,
+def submit_probes(db: Database, storage: Storage, built, arch: str, *, gpu_arch: str = "",
                   device_fingerprint: str | None = None, runs: int = 10, warmup: int = 2,
                   repeats: int = 1, priority: int = 0, deadline: datetime | None = None,
                   max_attempts: int = 3, timeout_s: float = 600.0, threads: int | None = None) -> str:
@@ -52,7 +52,8 @@ def submit_probes(db: Database, storage: Storage, built, arch: str, *,
             {**json.loads(info["schedule"]), "threads": threads})}
             for block, info in kernels.items()}
     return devices.create_task(
-        db, artifact_path=rel, artifact_sha256=sha, arch=arch, kernels=kernels, threads=threads,
+        db, artifact_path=rel, artifact_sha256=sha, arch=arch, gpu_arch=gpu_arch,
+        kernels=kernels, threads=threads,
         device_fingerprint=device_fingerprint, toolchain=built.toolchain, runs=runs,
         warmup=warmup, repeats=repeats, priority=priority, deadline=deadline,
         max_attempts=max_attempts, timeout_s=timeout_s)

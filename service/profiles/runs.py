@@ -130,7 +130,7 @@ def _job_artifact(db: Database, tenant_id: str, job_id: str) -> tuple[Job, Artif
 def candidates(db: Database, selector: sel.Selector, manifest: dict[str, Any]) -> list[Device]:
     """Online agent devices that can run the artifact and match the selector, freshest first."""
     arch, isa = manifest["target"]["arch"], set(manifest["target"].get("isa") or ())
-    return [d for d in devices.online_devices(db, arch=arch)
+    return [d for d in devices.online_devices_for(db, arch, manifest["target"].get("gpu_arch", ""))
             if d.transport != WORKER and isa <= set((d.facts or {}).get("isa") or ())
             and selector.matches(d)]
 
@@ -149,7 +149,8 @@ def start(db: Database, storage: Storage, tenant_id: str, job_id: str,
         run.via, run.device_id = AGENT, device.id
         run.task_id = devices.create_task(
             db, artifact_path=artifact.path, artifact_sha256=artifact.sha256,
-            arch=manifest["target"]["arch"], device_fingerprint=device.fingerprint,
+            arch=manifest["target"]["arch"], gpu_arch=manifest["target"].get("gpu_arch", ""),
+            device_fingerprint=device.fingerprint,
             kernels={k["block"]: {"signature": blocks[k["block"]]["signature"],
                                   "schedule": k["schedule"],
                                   "description": blocks[k["block"]].get("description")}

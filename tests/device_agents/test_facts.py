@@ -79,13 +79,36 @@ def test_nvidia_smi():
 
 
 def test_clinfo():
-    assert f.parse_clinfo(s.CLINFO_NVIDIA) == {
+    nvidia = f.parse_clinfo(s.CLINFO_NVIDIA)
+    assert {k: nvidia[k] for k in ("opencl_device", "opencl_version", "opencl_memory_mib",
+                                   "opencl_gpu")} == {
         "opencl_device": "NVIDIA H100 80GB HBM3", "opencl_version": "OpenCL 3.0 CUDA",
-        "opencl_memory_mib": 85520809984 >> 20}
+        "opencl_memory_mib": 85520809984 >> 20, "opencl_gpu": True}
     adreno = f.parse_clinfo(s.CLINFO_ADRENO)
-    assert adreno["opencl_device"] == "QUALCOMM Adreno(TM) 740"
-    assert f.parse_clinfo(s.CLINFO_CPU_ONLY) == {}  # a CPU OpenCL device is not a GPU
+    assert adreno["opencl_device"] == "QUALCOMM Adreno(TM) 740" and adreno["opencl_gpu"]
+    pocl = f.parse_clinfo(s.CLINFO_CPU_ONLY)  # a CPU OpenCL device runs OpenCL, not as a GPU
+    assert (pocl["opencl_device"], pocl["opencl_gpu"]) == ("cpu-haswell-AMD EPYC", False)
     assert f.parse_clinfo("Number of platforms                               0\n") == {}
+
+
+def test_a_cpu_opencl_device_is_recorded_but_is_no_gpu():
+    sections = {"uname-a": s.X86_UNAME, "uname-m": "x86_64", "cpuinfo": s.X86_CPUINFO,
+                "clinfo": s.CLINFO_CPU_ONLY}
+    facts = f.facts_from_probe(s.probe_output(sections), "", "local")
+    assert facts.kind == "cpu" and facts.gpu_model is None
+    assert facts.opencl_device == "cpu-haswell-AMD EPYC"
+    without = f.facts_from_probe(s.probe_output({k: v for k, v in sections.items()
+                                                 if k != "clinfo"}), "", "local")
+    assert without.fingerprint != facts.fingerprint  # profile entries of OpenCL kernels differ
+
+
+def test_targets_a_device_runs():
+    cpu = {"arch": "x86_64", "isa": ["avx2", "fma", "sse4_2"]}
+    assert f.device_targets(cpu) == ["x86_64"]
+    assert f.device_targets(cpu | {"opencl_device": "pthread-x"}) == ["x86_64", "opencl"]
+    assert f.device_targets({"arch": "x86_64", "isa": ["sse4_2"]}) == []  # no AVX2
+    phone = phone_facts(clinfo=s.CLINFO_ADRENO).model_dump()
+    assert f.device_targets(phone) == ["aarch64", "opencl-aarch64"]
 
 
 def phone_facts(**changes) -> f.HardwareFacts:

@@ -132,6 +132,7 @@ def test_devices_filter_by_selector_terms_and_query_parameters(farm):
     assert {"pixel-7", "bench-cpu"} <= set(by_name)
     assert by_name["pixel-7"]["facts"]["device_model"] == "Google Pixel 7"
     assert by_name["pixel-7"]["features"] == ["dotprod", "fp16", "neon"]
+    assert by_name["pixel-7"]["targets"] == ["aarch64"]  # no OpenCL device in its facts
     assert by_name["bench-cpu"]["agent"] == "lab" and by_name["bench-cpu"]["online"]
 
     def names(**params):

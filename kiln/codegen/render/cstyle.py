@@ -91,6 +91,7 @@ class CStyleRenderer:
     array_align = 64
 
     def __init__(self) -> None:
+        self.launches: tuple = ()  # a GPU renderer's device entry points (kernel.Launch)
         self.helpers: set[str] = set()
         self.math: set[str] = set()  # Kiln's vectorisable math functions used (kiln.codegen.cmath)
         self.micro_kernels: dict[str, str] = {}  # function name -> definition

@@ -1,0 +1,246 @@
+"""The GPU printer: what OpenCL and CUDA share (`render/opencl.py`, `render/cuda.py` subclass it).
+
+A kernel's stages become device entry points, launched one after another (`kernel.Launch`):
+
+* a stage's top-level loop marked `parallel` (with the `parallel - 1` loops it collapses) becomes
+  a 1-D range of work-items, one per iteration of the collapsed nest: the work-item's id is split
+  back into the loop variables by division (the loops' bounds must be constants);
+* statements a stage runs in order (a loop that is not parallel, a reduction into one value, an
+  LSTM's time steps) run on one work-item, the loops inside them sequential;
+* a stage whose top level declares mutable state (an accumulator, a local array) that later
+  statements use runs whole on one work-item, so that state stays in one work-item's registers.
+
+The named values (`Let`s) at a stage's top level are repeated in every entry point that follows
+them; they only read what earlier entry points wrote (`passes.bind_values` never shares a value
+across a write to what it read).
+
+Local arrays live in each work-item's private memory (registers where small). GEMM micro-kernel
+calls become a register-tiled function: an `mr` × `nr` tile of accumulators in vector registers,
+one work-item per tile (the schedule below makes each packed-GEMM task one micro-tile).
+
+What differs between GPU languages is in hooks: the entry point's qualifier, the address-space
+qualifier of global pointers, how a buffer argument is passed and reached (`params`, `buffer`),
+the work-item id, the vector types and their loads and stores, and math function names.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kiln.codegen import ir
+from kiln.codegen.expr import Expr
+from kiln.codegen.kernel import Launch
+from kiln.codegen.microkernel import MicroKernel
+from kiln.codegen.render.cstyle import HELPERS, CStyleRenderer, _guarded, _indent
+from kiln.codegen.schedule import Schedule
+
+# Schedule for GPUs: every loop that may run in parallel does, collapsed as deep as it goes (many
+# small work-items); GEMM tasks of one micro-tile each (register tiling); small private tiles.
+GPU_SCHEDULE = Schedule(parallel_min_work=1, parallel_min_iterations=1 << 30, gemm_mc=1,
+                        gemm_nc=1, matmul_tile_m=4, matmul_tile_n=16, conv_tile_w=32)
+
+WORK_ITEM = "kiln_wi"  # the name of the work-item id in an entry point
+
+
+class GpuRenderer(CStyleRenderer):
+    """Renders a kernel as device entry points (see the module docstring); `launches` lists them
+    after `kernel`."""
+
+    kernel_qualifier = "__kernel void"
+    global_space = "__global"  # address-space qualifier of a pointer into device memory
+    prelude: tuple[str, ...] = ()  # lines before every kernel's definitions, behind one guard
+    math_names: dict[str, str] = {}  # C math function (double name) -> this language's, overloaded
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.launches: tuple[Launch, ...] = ()
+
+    # --- hooks a GPU renderer overrides ------------------------------------------------------
+    def work_item_id(self) -> str:
+        """The expression of the global 1-D work-item (thread) id."""
+        raise NotImplementedError
+
+    def params(self, position: int) -> list[str]:
+        """The parameters through which argument `position` of the kernel ABI arrives."""
+        raise NotImplementedError
+
+    def argument(self, position: int) -> str:
+        """An expression of type `unsigned char *` (in global space) for argument `position`."""
+        raise NotImplementedError
+
+    def vector_type(self, scalar: str, lanes: int) -> str:
+        return f"{scalar}{lanes}"
+
+    def vector_load(self, scalar: str, lanes: int, pointer: str) -> str:
+        raise NotImplementedError
+
+    def vector_store(self, scalar: str, lanes: int, value: str, pointer: str) -> str:
+        raise NotImplementedError
+
+    def vector_zero(self, scalar: str, lanes: int) -> str:
+        raise NotImplementedError
+
+    def function_qualifier(self) -> str:
+        """The qualifier of a helper function the entry points call."""
+        return "static inline"
+
+    # --- buffers ------------------------------------------------------------------------------
+    def buffer(self, buf: ir.Buffer, position: int, kernel: ir.KernelIR) -> str:
+        t = self.types[buf.dtype]
+        const = "const " if buf.role == "input" else ""
+        pointer = f"{self.global_space} {const}{t} *"
+        if buf.role == "scratch":
+            base = f"({self.argument(_scratch_position(kernel))} + {buf.scratch_offset})"
+        else:
+            base = self.argument(position)
+        return f"{pointer}{buf.name} = ({pointer}){base};"
+
+    def signature(self, symbol: str, kernel: ir.KernelIR | None = None) -> str:
+        positions = range(_argument_count(kernel)) if kernel is not None else range(0)
+        params = [p for i in positions for p in self.params(i)]
+        return f"{self.kernel_qualifier} {symbol}({', '.join(params)})"
+
+    def local_array(self, stmt: ir.DeclArray) -> str:
+        return f"{self.types[stmt.dtype]} {stmt.name}[{stmt.size}];"
+
+    # --- kernel -------------------------------------------------------------------------------
+    def kernel(self, kernel: ir.KernelIR, comment: str) -> str:
+        launches: list[Launch] = []
+        entries: list[str] = []
+        declarations = [self.buffer(buf, i, kernel) for i, buf in enumerate(kernel.buffers)]
+        for stage in kernel.stages:
+            for body, work_items in self.entry_points(stage.body):
+                suffix = f"_g{len(launches)}"
+                launches.append(Launch(suffix, work_items))
+                entries += [f"/* {stage.comment} */",
+                            self.signature(kernel.symbol + suffix, kernel) + " {",
+                            *_indent(declarations), *_indent(body), "}"]
+        self.launches = tuple(launches)
+        head = [f"/* {comment} */", *_guarded("KILN_GPU_PRELUDE", "\n".join(self.prelude))]
+        for name in sorted(self.helpers):
+            head += _guarded(f"KILN_HELPER_{name.upper()}", _helper(name, self))
+        for name, text in sorted(self.micro_kernels.items()):
+            head += _guarded(f"KILN_HELPER_{name.upper()}", text)
+        return "\n".join(head + entries + [""])
+
+    def entry_points(self, body: list[ir.Stmt]) -> list[tuple[list[str], int]]:
+        """The entry points of one stage: (body lines, work-items) each, in launch order."""
+        if any(isinstance(s, (ir.DeclAcc, ir.DeclArray)) for s in body):
+            return [self.sequential(body)]
+        points: list[tuple[list[str], int]] = []
+        named: list[ir.Stmt] = []  # the top-level Lets so far
+        pending: list[ir.Stmt] = []  # statements that run in order, not yet emitted
+        for stmt in body:
+            if isinstance(stmt, ir.Let):
+                (pending if pending else named).append(stmt)
+                continue
+            nest = _parallel_nest(stmt)
+            if nest is None:
+                pending.append(stmt)
+                continue
+            if pending:
+                points.append(self.sequential(named + pending))
+                named, pending = named + [s for s in pending if isinstance(s, ir.Let)], []
+            points.append(self.parallel(named, nest))
+        if pending:
+            points.append(self.sequential(named + pending))
+        return points
+
+    def sequential(self, body: list[ir.Stmt]) -> tuple[list[str], int]:
+        return [f"if ({self.work_item_id()} == 0) {{", *_indent(self.statements(body)), "}"], 1
+
+    def parallel(self, named: list[ir.Stmt], nest: list[ir.Loop]) -> tuple[list[str], int]:
+        """The collapsed loops `nest` as a range of work-items, one per iteration."""
+        extents = [loop.static_extent for loop in nest]
+        total = 1
+        for extent in extents:
+            total *= extent
+        lines = [f"const {self.index_type} {WORK_ITEM} = {self.work_item_id()};",
+                 f"if ({WORK_ITEM} < {total}) {{"]
+        inner = []
+        stride = total
+        for loop, extent in zip(nest, extents):
+            stride //= extent
+            value = WORK_ITEM if stride == 1 else f"{WORK_ITEM} / {stride}"
+            if stride * extent != total:
+                value = f"({value}) % {extent}"
+            inner.append(f"const {self.index_type} {loop.var.name} = {loop.start.value} + "
+                         f"{value};")
+        inner += self.statements(named) + self.statements(nest[-1].body)
+        return lines + _indent(inner) + ["}"], total
+
+    # --- micro-kernels ------------------------------------------------------------------------
+    def micro_kernel(self, k: MicroKernel) -> str:
+        """The register-tiled GEMM micro-kernel: `mr` × `nr / lanes` vector accumulators."""
+        lanes, vectors, s = k.lanes, k.nr // k.lanes, k.scalar
+        vec, g = self.vector_type(s, lanes), self.global_space
+        lines = [f"{self.function_qualifier()} void {k.function}({self.index_type} kc, "
+                 f"{g} const {s} *a, {g} const {s} *b, {self.index_type} ldb, {s} *c, "
+                 f"{self.index_type} ldc, int accumulate) {{"]
+        acc = [[f"c{r}_{v}" for v in range(vectors)] for r in range(k.mr)]
+        for r in range(k.mr):
+            for v in range(vectors):
+                load = self.vector_load(s, lanes, f"c + {r} * ldc + {v * lanes}")
+                lines.append(f"  {vec} {acc[r][v]} = accumulate ? {load} : "
+                             f"{self.vector_zero(s, lanes)};")
+        lines.append(f"  for ({self.index_type} k = 0; k < kc; ++k) {{")
+        for v in range(vectors):
+            lines.append(f"    const {vec} b{v} = "
+                         f"{self.vector_load(s, lanes, f'b + k * ldb + {v * lanes}')};")
+        for r in range(k.mr):
+            lines.append(f"    {{ const {s} a{r} = a[k * {k.mr} + {r}];")
+            lines.extend(f"      {acc[r][v]} += a{r} * b{v};" for v in range(vectors))
+            lines.append("    }")
+        lines.append("  }")
+        for r in range(k.mr):
+            for v in range(vectors):
+                lines.append("  " + self.vector_store(s, lanes, acc[r][v],
+                                                      f"c + {r} * ldc + {v * lanes}") + ";")
+        lines.append("}")
+        return "\n".join(lines)
+
+    # --- expressions --------------------------------------------------------------------------
+    def render(self, e: Expr, a: list[str]) -> str:
+        rule = GPU_OPS.get(e.op)
+        return rule(self, e, a) if rule is not None else super().render(e, a)
+
+    def call(self, e: Expr, a: list[str]) -> str:
+        return f"{self.math_names.get(e.attr, e.attr)}({', '.join(a)})"
+
+    def bitcast(self, e: Expr, a: list[str]) -> str:
+        raise NotImplementedError
+
+
+GPU_OPS: dict[str, Callable[[GpuRenderer, Expr, list[str]], str]] = {
+    "bitcast": lambda r, e, a: r.bitcast(e, a),
+}
+
+
+def _helper(name: str, renderer: GpuRenderer) -> str:
+    """A shared integer helper (`cstyle.HELPERS`) with this language's function qualifier."""
+    return HELPERS[name].replace("static inline", renderer.function_qualifier())
+
+
+def _parallel_nest(stmt: ir.Stmt) -> list[ir.Loop] | None:
+    """The loops a parallel top-level loop collapses, as far as their bounds are constants."""
+    if not isinstance(stmt, ir.Loop) or not stmt.parallel:
+        return None
+    nest: list[ir.Loop] = []
+    loop: ir.Stmt = stmt
+    for _ in range(stmt.parallel):
+        if not (isinstance(loop, ir.Loop) and loop.start.is_const and loop.static_extent):
+            break
+        nest.append(loop)
+        if len(loop.body) != 1:
+            break
+        loop = loop.body[0]
+    return nest or None
+
+
+def _argument_count(kernel: ir.KernelIR) -> int:
+    """Arguments of the kernel ABI: the buffers it is passed, then the scratch memory if any."""
+    return _scratch_position(kernel) + (1 if kernel.scratch_bytes > 0 else 0)
+
+
+def _scratch_position(kernel: ir.KernelIR) -> int:
+    return sum(1 for b in kernel.buffers if b.role != "scratch")
+
