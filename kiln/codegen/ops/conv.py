@@ -51,7 +51,8 @@ from kiln.codegen.indexing import Index
 from kiln.codegen.contexts import InlineCtx, StageCtx
 from kiln.codegen.ops.registry import inline, stage
 from kiln.codegen.gemm.contraction import contraction
-from kiln.codegen.gemm.spec import Contraction
+from kiln.codegen.gemm.spec import BOperand, Contraction
+from kiln.codegen.ops.conv_direct import direct_applies, direct_conv
 from kiln.ecg import Graph, Op
 
 
@@ -179,7 +180,12 @@ def conv_stage(ctx: StageCtx, weight: int, operands: Callable[[str, bool], ConvO
                           tuple(a + b for a, b in zip(geometry.pad_begin, extra)), geometry.pad_end)
     ops = operands(source, bool(extra))
     if w_shape[0] // group >= ctx.schedule.conv_gemm_min_cout:
-        _implicit_gemm(ctx, geometry, w_shape, ops, group)
+        in_shape = ctx.graph.tensors[ops.x].shape
+        if direct_applies(ctx, geometry, ops.acc_dtype):
+            direct_conv(ctx, geometry, w_shape, ops, group, in_shape,
+                        im2col(geometry, ops, in_shape, in_shape[1] // group))
+        else:
+            _implicit_gemm(ctx, geometry, w_shape, ops, group)
     else:
         if not _depthwise_conv(ctx, geometry, w_shape, ops, group):
             _direct_conv(ctx, geometry, w_shape, ops, group)
@@ -203,6 +209,22 @@ def _implicit_gemm(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: Conv
         (g,) = bi.dims
         return ops.read_w(Index(w_shape, flat=add(mul(add(mul(g, mg), i), cg * taps), k)))
 
+    def out_index(b: Expr, i: Expr, j: Expr) -> Index:
+        n, g = Index((batch, group), flat=b).dims
+        return Index(out.shape, flat=add(mul(add(mul(n, group * mg), mul(g, mg), i), pixels), j))
+
+    def finish(total: Expr, b: Expr, i: Expr, j: Expr) -> Expr:
+        return ops.finish(total, add(mul(modulo(b, group), mg), i))
+
+    contraction(ctx, Contraction((batch, group), mg, pixels, cg * taps, (group,), (batch, group),
+                                 a_at, im2col(w, ops, in_shape, cg), out_index, finish,
+                                 ops.acc_dtype))
+    ctx.info["conv"] = "implicit GEMM"
+
+
+def im2col(w: Window, ops: ConvOperands, in_shape: tuple[int, ...], cg: int) -> BOperand:
+    """The B operand of a convolution seen as a GEMM per (image, group): element (k, j) is the
+    input under kernel tap k = (input channel, taps…) for output pixel j, zero in the padding."""
     def b_at(bi: Index, k: Expr, j: Expr) -> Expr:
         n, g = bi.dims
         c, *tap = Index((cg, *w.kernel), flat=k).dims
@@ -215,17 +237,7 @@ def _implicit_gemm(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: Conv
         clamped = [clamp(position, 0, n_d - 1) for position, n_d in zip(positions, w.in_size)]
         value = ops.read_x(Index(in_shape, dims=[n, add(mul(g, cg), c), *clamped]))
         return select(inside, value, const(0, value.dtype))
-
-    def out_index(b: Expr, i: Expr, j: Expr) -> Index:
-        n, g = Index((batch, group), flat=b).dims
-        return Index(out.shape, flat=add(mul(add(mul(n, group * mg), mul(g, mg), i), pixels), j))
-
-    def finish(total: Expr, b: Expr, i: Expr, j: Expr) -> Expr:
-        return ops.finish(total, add(mul(modulo(b, group), mg), i))
-
-    contraction(ctx, Contraction((batch, group), mg, pixels, cg * taps, (group,), (batch, group),
-                                 a_at, b_at, out_index, finish, ops.acc_dtype))
-    ctx.info["conv"] = "implicit GEMM"
+    return b_at
 
 
 def _bias(ctx: StageCtx, position: int, total: Expr, m: Expr) -> Expr:
