@@ -52,7 +52,12 @@ from kiln.codegen.contexts import InlineCtx, StageCtx
 from kiln.codegen.ops.registry import inline, stage
 from kiln.codegen.gemm.contraction import contraction
 from kiln.codegen.gemm.spec import BOperand, Contraction
-from kiln.codegen.ops.conv_direct import direct_applies, direct_conv
+from kiln.codegen.ops.conv_direct import (
+    depthwise_plane,
+    depthwise_plane_applies,
+    direct_applies,
+    direct_conv,
+)
 from kiln.ecg import Graph, Op
 
 
@@ -187,7 +192,11 @@ def conv_stage(ctx: StageCtx, weight: int, operands: Callable[[str, bool], ConvO
         else:
             _implicit_gemm(ctx, geometry, w_shape, ops, group)
     else:
-        if not _depthwise_conv(ctx, geometry, w_shape, ops, group):
+        in_shape = ctx.graph.tensors[ops.x].shape
+        if (depthwise_plane_applies(ctx, geometry, in_shape[1], group, ops.acc_dtype)
+                and not _strided_with_thin_borders(geometry)):
+            depthwise_plane(ctx, geometry, w_shape, ops, group, in_shape)
+        elif not _depthwise_conv(ctx, geometry, w_shape, ops, group):
             _direct_conv(ctx, geometry, w_shape, ops, group)
 
 
@@ -349,6 +358,20 @@ def _border(out_size: int, in_size: int, kernel: int, stride: int, dilation: int
     lo = min(out_size, -(-pad // stride)) if pad > 0 else 0
     hi = (in_size - 1 - (kernel - 1) * dilation + pad) // stride + 1
     return lo, max(lo, min(out_size, hi))
+
+
+def _strided_with_thin_borders(w: Window) -> bool:
+    """A strided 2-D window whose border outputs (those with a tap in the padding) are under a
+    tenth of the output: `_depthwise_conv` reads such a conv's input in place, where the padded
+    copy of `depthwise_plane` would first read all of it for an output a stride² smaller."""
+    if len(w.kernel) != 2 or all(s == 1 for s in w.strides):
+        return False
+    interior = 1
+    for d in range(2):
+        lo, hi = _border(w.out_size[d], w.in_size[d], w.kernel[d], w.strides[d], w.dilations[d],
+                         w.pad_begin[d])
+        interior *= hi - lo
+    return interior >= 0.9 * math.prod(w.out_size)
 
 
 def _depthwise_conv(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: ConvOperands,

@@ -28,6 +28,7 @@ from kiln.codegen.expr import (
     Expr,
     add,
     array_load,
+    binary,
     clamp,
     const,
     floordiv,
@@ -219,3 +220,81 @@ def _epilogue(ctx: StageCtx, w, grid: PhaseGrid, ops, tile: str, ldc: int,
     columns = ir.Loop(ox, x_lo, x_hi, stores, simd=True)
     return ir.Loop(i, i_lo, imin(add(i_lo, uk.mr), iconst(mg)),
                    [ir.Loop(oy, y_lo, y_hi, [columns])])
+
+
+PLANE_BYTES = 1 << 18  # a depthwise plane's padded copy and sums live on the stack up to this
+
+
+def depthwise_plane_applies(ctx: StageCtx, w, x_channels: int, group: int, acc_dtype: str) -> bool:
+    """A 2-D float conv whose output channels each read one input channel, with planes small
+    enough for the stack."""
+    if len(w.kernel) != 2 or x_channels // group != 1 or acc_dtype not in ("float32", "float64"):
+        return False
+    grid, _ = _phase_grid(w, 1, 1)
+    itemsize = 4 if acc_dtype == "float32" else 8
+    return (grid.segment + w.out_size[0] * grid.wq) * itemsize <= PLANE_BYTES
+
+
+def depthwise_plane(ctx: StageCtx, w, w_shape: tuple[int, ...], ops, group: int,
+                    in_shape: tuple[int, ...]) -> None:
+    """A depthwise conv (any channel multiplier), parallel over (image, output channel) planes.
+    Per plane, the input plane is copied zero-padded and split into stride phases on the stack
+    (as `direct_conv`'s copy, one channel), so every tap of every output pixel reads inside it:
+    one vector loop over the pixels of the grid, j = oy·wq + ox, sums all kh·kw taps at
+    j + offset(tap) with no border cases and contiguous reads at any stride. The fused epilogue
+    then runs over each output row's ow valid pixels."""
+    out, dtype = ctx.out(), ops.acc_dtype
+    batch, m_total = out.shape[0], out.shape[1]
+    mg = m_total // group
+    (oh, ow), (kh, kw) = w.out_size, w.kernel
+    (sh, sw), (ph, pw), (ih, iw) = w.strides, w.pad_begin, w.in_size
+    grid, offsets = _phase_grid(w, 1, 1)
+    p = ctx.var("p", batch * m_total)
+    n, m = Index((batch, m_total), flat=p).dims
+    channel = floordiv(m, mg)
+    plane, sums = ctx.name("plane"), ctx.name("sums")
+
+    def element(r: Expr, u: Expr, py: int, px: int) -> Expr:
+        y, x = sub(add(mul(r, sh), py), ph), sub(add(mul(u, sw), px), pw)
+        inside = logical_and(logical_and(index_compare("ge", y, 0), index_compare("lt", y, ih)),
+                             logical_and(index_compare("ge", x, 0), index_compare("lt", x, iw)))
+        value = ops.read_x(Index(in_shape, dims=[n, channel, clamp(y, 0, ih - 1),
+                                                 clamp(x, 0, iw - 1)]))
+        return select(inside, value, const(0, dtype))
+
+    copy: list[ir.Stmt] = []
+    for py in sorted({py for py, _ in grid.phases}):
+        # the column phases of one row phase in one loop: its reads are one contiguous run
+        r, u = ctx.var("r", grid.hq), ctx.var("u", grid.wq)
+        stores = [ir.ArrayStore(plane, add(mul(add(mul(iconst(phase), grid.hq), r), grid.wq), u),
+                                element(r, u, py, px))
+                  for phase, (qy, px) in enumerate(grid.phases) if qy == py]
+        copy.append(ir.Loop(r, iconst(0), iconst(grid.hq),
+                            [ir.Loop(u, iconst(0), iconst(grid.wq), stores, simd=True)]))
+    used = grid.channel_stride
+    if grid.segment > used:
+        t = ctx.var("t", grid.segment - used, used)
+        copy.append(ir.Loop(t, iconst(used), iconst(grid.segment),
+                            [ir.ArrayStore(plane, t, const(0, dtype))]))
+
+    j = ctx.var("j", oh * grid.wq)
+    total: Expr | None = None
+    for tap, offset in enumerate(offsets):
+        ky, kx = divmod(tap, kw)
+        wv = ops.read_w(Index(w_shape, dims=[m, iconst(0), iconst(ky), iconst(kx)]))
+        term = binary("mul", wv, array_load(plane, dtype, add(j, int(offset))))
+        total = term if total is None else binary("add", total, term)
+    compute = ir.Loop(j, iconst(0), iconst(oh * grid.wq), [ir.ArrayStore(sums, j, total)],
+                      simd=True)
+
+    oy, ox = ctx.var("y", oh), ctx.var("x", ow)
+    value = ops.finish(array_load(sums, dtype, add(mul(oy, grid.wq), ox)), m)
+    stores = ctx.results({0: (Index(out.shape, dims=[n, m, oy, ox]), value)})
+    epilogue = ir.Loop(oy, iconst(0), iconst(oh),
+                       [ir.Loop(ox, iconst(0), iconst(ow), stores, simd=True)])
+    body = [ir.DeclArray(plane, dtype, grid.segment), ir.DeclArray(sums, dtype, oh * grid.wq),
+            *copy, compute, epilogue]
+    ctx.stage(f"conv ({ctx.op.id}), depthwise over padded planes",
+              [ir.Loop(p, iconst(0), iconst(batch * m_total), body, parallel=1, grain="chunks")],
+              out.numel * kh * kw)
+    ctx.info.update(form="depthwise planes", grid=f"{len(grid.phases)}x{grid.hq}x{grid.wq}")
