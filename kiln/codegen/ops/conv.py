@@ -155,14 +155,34 @@ class ConvOperands:
     read_w: Reader
     acc_dtype: str
     finish: Finish
+    # reads for a loop that reads each input element once (a padded copy): the input's fused
+    # prologue evaluated there, never packed into scratch first; None: `read_x`
+    read_x_once: Reader | None = None
+
+    @property
+    def once(self) -> Reader:
+        return self.read_x_once or self.read_x
 
 
 @stage("Conv", check=_float_input)
 def _conv(ctx: StageCtx) -> None:
     out = ctx.out()
     read_w = ctx.reader(ctx.op.inputs[1])
-    conv_stage(ctx, 1, lambda x, folded: ConvOperands(x, ctx.reader(x), read_w, out.dtype,
-                                                      lambda total, m: _bias(ctx, 2, total, m)))
+    conv_stage(ctx, 1, lambda x, folded: ConvOperands(
+        x, _reader_on_first_use(ctx, x), read_w, out.dtype,
+        lambda total, m: _bias(ctx, 2, total, m), lambda index: ctx.builder.value(x, index)))
+
+
+def _reader_on_first_use(ctx: StageCtx, tensor: str) -> Reader:
+    """`ctx.reader(tensor)`, made (and its prologue packed, if it needs one) at the first read:
+    a lowering that reads the input only through `ConvOperands.once` packs nothing."""
+    made: list[Reader] = []
+
+    def read(index: Index) -> Expr:
+        if not made:
+            made.append(ctx.reader(tensor))
+        return made[0](index)
+    return read
 
 
 def conv_stage(ctx: StageCtx, weight: int, operands: Callable[[str, bool], ConvOperands]) -> None:

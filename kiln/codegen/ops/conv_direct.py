@@ -110,7 +110,7 @@ def _copy_input(ctx: StageCtx, w, grid: PhaseGrid, ops, in_shape: tuple[int, ...
         y, x = sub(add(mul(r, sh), py), ph), sub(add(mul(u, sw), px), pw)
         inside = logical_and(logical_and(index_compare("ge", y, 0), index_compare("lt", y, ih)),
                              logical_and(index_compare("ge", x, 0), index_compare("lt", x, iw)))
-        value = ops.read_x(Index((batch, channels, ih, iw),
+        value = ops.once(Index((batch, channels, ih, iw),
                                  dims=[n, add(mul(g, grid.channels), c), clamp(y, 0, ih - 1),
                                        clamp(x, 0, iw - 1)]))
         at = add(mul(b, grid.segment), mul(add(mul(add(mul(c, len(grid.phases)), p), grid.hq), r),
@@ -258,7 +258,7 @@ def depthwise_plane(ctx: StageCtx, w, w_shape: tuple[int, ...], ops, group: int,
         y, x = sub(add(mul(r, sh), py), ph), sub(add(mul(u, sw), px), pw)
         inside = logical_and(logical_and(index_compare("ge", y, 0), index_compare("lt", y, ih)),
                              logical_and(index_compare("ge", x, 0), index_compare("lt", x, iw)))
-        value = ops.read_x(Index(in_shape, dims=[n, channel, clamp(y, 0, ih - 1),
+        value = ops.once(Index(in_shape, dims=[n, channel, clamp(y, 0, ih - 1),
                                                  clamp(x, 0, iw - 1)]))
         return select(inside, value, const(0, dtype))
 
