@@ -68,3 +68,40 @@ def test_strided_stem_uses_the_direct_kernel():
     forms = [info for kernel in kernels for info in kernel.schedule.get("stages", [])]
     assert any(info.get("form") == "direct GEMM" and info.get("grid", "").startswith("4x")
                for info in forms), forms
+
+
+@st.composite
+def winograd_cases(draw):
+    """3×3 stride-1 convs with enough 2×2 output tiles for Winograd: odd and even sizes, pads
+    of 0–2 on each side, batches."""
+    cin, cout = draw(st.integers(1, 9)), draw(st.integers(16, 28))
+    pads = [draw(st.integers(0, 2)) for _ in range(4)]
+    spatial = [draw(st.integers(14, 21)) for _ in range(2)]  # ≥ 36 tiles: a panel of 32
+    attrs = {"kernel_shape": [3, 3], "pads": pads}
+    return (draw(st.integers(1, 2)), cin, *spatial), (cout, cin, 3, 3), attrs
+
+
+@settings(max_examples=12, deadline=None)
+@given(winograd_cases(), st.sampled_from(["none", "relu-in", "relu-out"]))
+def test_winograd_conv(case, fusion):
+    x_shape, w_shape, attrs = case
+    rng = np.random.default_rng(7)
+    inits = {"w": rng.standard_normal(w_shape).astype(np.float32),
+             "b": rng.standard_normal(w_shape[0]).astype(np.float32)}
+    spec = {"x": (x_shape, "float32")}
+    nodes, conv_in = [], "x"
+    if fusion == "relu-in":
+        nodes.append(helper.make_node("Relu", ["x"], ["xr"]))
+        conv_in = "xr"
+    nodes.append(helper.make_node("Conv", [conv_in, "w", "b"], ["c"], **attrs))
+    nodes.append(helper.make_node("Relu" if fusion == "relu-out" else "Identity", ["c"], ["y"]))
+    onnx_model = model(nodes, spec, ["y"], inits)
+    check_model(onnx_model, random_inputs(spec), partitioners=("none", "dnnfusion"))
+    assert "Winograd" in _forms(onnx_model)
+
+
+def _forms(onnx_model) -> str:
+    graph = frontend.build(onnx_model, {}, "test")
+    kernels = generate(plan_for(graph, "none"), host_target())
+    return " ".join(str(info.get("form")) for kernel in kernels
+                    for info in kernel.schedule.get("stages", []))

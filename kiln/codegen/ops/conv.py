@@ -58,6 +58,7 @@ from kiln.codegen.ops.conv_direct import (
     direct_applies,
     direct_conv,
 )
+from kiln.codegen.ops.conv_winograd import winograd_conv, winograd_tile_size
 from kiln.ecg import Graph, Op
 
 
@@ -206,7 +207,9 @@ def conv_stage(ctx: StageCtx, weight: int, operands: Callable[[str, bool], ConvO
     ops = operands(source, bool(extra))
     if w_shape[0] // group >= ctx.schedule.conv_gemm_min_cout:
         in_shape = ctx.graph.tensors[ops.x].shape
-        if direct_applies(ctx, geometry, ops.acc_dtype):
+        if tile := winograd_tile_size(ctx, geometry, group, ops.acc_dtype):
+            winograd_conv(ctx, geometry, w_shape, ops, in_shape, tile)
+        elif direct_applies(ctx, geometry, ops.acc_dtype):
             direct_conv(ctx, geometry, w_shape, ops, group, in_shape,
                         im2col(geometry, ops, in_shape, in_shape[1] // group))
         else:
