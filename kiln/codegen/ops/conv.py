@@ -1,12 +1,23 @@
 """Convolutions and pooling (Many-to-Many over sliding windows), any number of spatial dims.
 
-Conv (direct): parallel over (image, block of `conv_tile_cout` output channels, output rows); for
-each tile of `conv_tile_w` output columns, stack accumulators acc[channels][columns]; loops over
-input channel, kernel rows and kernel columns narrow their ranges to the valid input region (no
-per-element padding test), and the vectorised inner loop runs over output columns:
-acc[c][x] += w · X[.., x·stride + kx·dilation − pad]. A constant-zero Pad in front of the conv is
-folded into its padding; any other non-trivial input prologue is packed into scratch once. A 1×1,
-stride-1, unpadded conv is a matrix product and uses the contraction lowering.
+Conv picks its loop nest from the shape:
+* a 1×1, stride-1, unpadded, ungrouped conv is a matrix product (the contraction lowering);
+* GEMM-sized convs (at least `conv_gemm_min_cout` output channels per group): 3×3 stride-1 ones
+  on images of enough 2×2 tiles run as Winograd F(2×2, 3×3) (`conv_winograd`); other 2-D float
+  ones as a direct conv, a GEMM that reads its B operand in place from a zero-padded,
+  stride-phase-split copy of the input (`conv_direct`: no im2col; stems, strided and dilated
+  convs included); the rest as an implicit GEMM whose B packing does the im2col;
+* depthwise 2-D convs over zero-padded planes on the stack (`conv_direct.depthwise_plane`), or,
+  when strided with thin borders or too large for the stack, with interior and border outputs
+  split (`_depthwise_conv`);
+* any other conv (few output channels per group, 1-D/3-D) as direct loops: parallel over
+  (image, block of `conv_tile_cout` output channels, output rows); for each tile of
+  `conv_tile_w` output columns, stack accumulators acc[channels][columns]; loops over input
+  channel, kernel rows and kernel columns narrow their ranges to the valid input region (no
+  per-element padding test), and the vectorised inner loop runs over output columns:
+  acc[c][x] += w · X[.., x·stride + kx·dilation − pad].
+A constant-zero Pad in front of the conv is folded into its padding; any other non-trivial input
+prologue is evaluated where the input is copied, or packed into scratch once.
 
 ConvTranspose gathers: each output element sums the input elements whose stride grid hits it;
 Col2Im likewise sums the column entries of the blocks covering an image element (inline).

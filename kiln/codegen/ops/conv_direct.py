@@ -17,6 +17,7 @@ kh·kw times it), and its loop evaluates a fused input prologue once per element
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,6 +49,9 @@ from kiln.codegen.gemm.spec import BOperand, Contraction, batch_of
 from kiln.codegen.indexing import Index
 from kiln.codegen.microkernel import MicroKernel
 
+if TYPE_CHECKING:  # conv.py imports this module
+    from kiln.codegen.ops.conv import ConvOperands, Window
+
 
 @dataclass(frozen=True)
 class PhaseGrid:
@@ -65,7 +69,7 @@ class PhaseGrid:
         return len(self.phases) * self.hq * self.wq
 
 
-def _phase_grid(w, channels: int, nr: int) -> tuple[PhaseGrid, np.ndarray]:
+def _phase_grid(w: Window, channels: int, nr: int) -> tuple[PhaseGrid, np.ndarray]:
     """The copy's layout and the row-offset table: offset of (c, ky, kx), flattened like the
     weights' (c, ky, kx), plus the pixel j it is added to."""
     (oh, ow), (kh, kw) = w.out_size, w.kernel
@@ -85,7 +89,7 @@ def _phase_grid(w, channels: int, nr: int) -> tuple[PhaseGrid, np.ndarray]:
     return PhaseGrid(phases, hq, wq, channels, segment), rows.astype(np.int32)
 
 
-def direct_applies(ctx: StageCtx, w, acc_dtype: str) -> bool:
+def direct_applies(ctx: StageCtx, w: Window, acc_dtype: str) -> bool:
     """A 2-D float convolution on a target with GEMM micro-kernels, small enough for int32
     row offsets."""
     s = ctx.schedule
@@ -93,8 +97,8 @@ def direct_applies(ctx: StageCtx, w, acc_dtype: str) -> bool:
             and ctx.graph.tensors[ctx.op.inputs[0]].numel < 2 ** 30)
 
 
-def _copy_input(ctx: StageCtx, w, grid: PhaseGrid, ops, in_shape: tuple[int, ...], group: int,
-                dtype: str) -> str:
+def _copy_input(ctx: StageCtx, w: Window, grid: PhaseGrid, ops: ConvOperands,
+                in_shape: tuple[int, ...], group: int, dtype: str) -> str:
     """The zero-padded, phase-split copy of the input, one parallel loop over (image, group,
     channel, row), a vector loop over each phase's columns; the segments' tails are zeroed."""
     batch, channels = in_shape[:2]
@@ -132,8 +136,8 @@ def _copy_input(ctx: StageCtx, w, grid: PhaseGrid, ops, in_shape: tuple[int, ...
     return name
 
 
-def direct_conv(ctx: StageCtx, w, w_shape: tuple[int, ...], ops, group: int,
-                in_shape: tuple[int, ...], im2col: BOperand) -> None:
+def direct_conv(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: ConvOperands,
+                group: int, in_shape: tuple[int, ...], im2col: BOperand) -> None:
     """The convolution as an indirect GEMM per (image, group) over the padded copy (module
     docstring). `ops` is how the conv reads its operands (`kiln.codegen.ops.conv.ConvOperands`),
     `im2col` its B operand as a plain contraction would read it (what the copy and the row
@@ -198,9 +202,9 @@ def direct_conv(ctx: StageCtx, w, w_shape: tuple[int, ...], ops, group: int,
                     kc=blk.kc, tasks=tasks, grid=f"{len(grid.phases)}x{grid.hq}x{grid.wq}")
 
 
-def _epilogue(ctx: StageCtx, w, grid: PhaseGrid, ops, tile: str, ldc: int,
-              block: tuple[Expr, Expr, Expr], start: tuple[Expr, Expr], uk: MicroKernel,
-              mg: int, group: int) -> ir.Loop:
+def _epilogue(ctx: StageCtx, w: Window, grid: PhaseGrid, ops: ConvOperands, tile: str,
+              ldc: int, block: tuple[Expr, Expr, Expr], start: tuple[Expr, Expr],
+              uk: MicroKernel, mg: int, group: int) -> ir.Loop:
     """The micro-tile's valid pixels through the fused epilogue: per channel, the grid rows the
     tile's pixels [j_lo, j_lo + nr) touch, and in each the columns below ow."""
     out = ctx.out()
@@ -215,7 +219,8 @@ def _epilogue(ctx: StageCtx, w, grid: PhaseGrid, ops, tile: str, ldc: int,
     x_lo = imax(sub(j_lo, mul(oy, wq)), iconst(0))
     x_hi = imin(sub(j_hi, mul(oy, wq)), iconst(ow))
     m = add(mul(g, mg), i)
-    total = array_load(tile, ops.acc_dtype, add(mul(sub(i, i0), ldc), sub(add(mul(oy, wq), ox), j0)))
+    slot = add(mul(sub(i, i0), ldc), sub(add(mul(oy, wq), ox), j0))
+    total = array_load(tile, ops.acc_dtype, slot)
     stores = ctx.results({0: (Index(out.shape, dims=[n, m, oy, ox]), ops.finish(total, m))})
     columns = ir.Loop(ox, x_lo, x_hi, stores, simd=True)
     return ir.Loop(i, i_lo, imin(add(i_lo, uk.mr), iconst(mg)),
@@ -225,7 +230,8 @@ def _epilogue(ctx: StageCtx, w, grid: PhaseGrid, ops, tile: str, ldc: int,
 PLANE_BYTES = 1 << 18  # a depthwise plane's padded copy and sums live on the stack up to this
 
 
-def depthwise_plane_applies(ctx: StageCtx, w, x_channels: int, group: int, acc_dtype: str) -> bool:
+def depthwise_plane_applies(ctx: StageCtx, w: Window, x_channels: int, group: int,
+                            acc_dtype: str) -> bool:
     """A 2-D float conv whose output channels each read one input channel, with planes small
     enough for the stack."""
     if len(w.kernel) != 2 or x_channels // group != 1 or acc_dtype not in ("float32", "float64"):
@@ -235,8 +241,8 @@ def depthwise_plane_applies(ctx: StageCtx, w, x_channels: int, group: int, acc_d
     return (grid.segment + w.out_size[0] * grid.wq) * itemsize <= PLANE_BYTES
 
 
-def depthwise_plane(ctx: StageCtx, w, w_shape: tuple[int, ...], ops, group: int,
-                    in_shape: tuple[int, ...]) -> None:
+def depthwise_plane(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: ConvOperands,
+                    group: int, in_shape: tuple[int, ...]) -> None:
     """A depthwise conv (any channel multiplier), parallel over (image, output channel) planes.
     Per plane, the input plane is copied zero-padded and split into stride phases on the stack
     (as `direct_conv`'s copy, one channel), so every tap of every output pixel reads inside it:

@@ -1,8 +1,8 @@
 """Winograd convolution F(m×m, 3×3) for 3×3, stride-1, undilated, ungrouped float convs with
 constant weights (Lavin & Gray, "Fast Algorithms for Convolutional Neural Networks", 2016).
 
-The output is cut into m × m tiles (m = 2: see MIN_TILE_PANELS), each computed from an α × α input tile (α = m + 2). Three
-stages:
+The output is cut into m × m tiles (m = 2: see MIN_TILE_PANELS), each computed from an
+α × α input tile (α = m + 2). Three stages:
 1. input transform, one parallel loop over (image, channel, tile row), vectorised over the tile
    columns: V[ξ][c][t] = (Bᵀ d B)[ξ] for the input tile d of tile t (zero in the padding);
 2. α² GEMMs, M[ξ] = U[ξ] · V[ξ] (K × C by C × tiles), through the packed GEMM, U[ξ] = (G g Gᵀ)[ξ]
@@ -10,7 +10,7 @@ stages:
 3. output transform, vectorised over the tile columns: Y = Aᵀ M A per tile, then the bias and the
    fused epilogue per output element.
 
-The GEMMs do 9·m²/α² times a direct conv's multiplications (2.25× fewer for m = 2, 4× for
+The GEMMs do α²/(9·m²) of a direct conv's multiplications (2.25× fewer for m = 2, 4× for
 m = 4), at the price of the transforms' memory traffic and α²·K·C transformed weights (1.8× or 4×
 the weights): it pays where the image has many tiles for those weights to serve
 (`winograd_tile_size`).
@@ -18,6 +18,7 @@ the weights): it pays where the image has many tiles for those weights to serve
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -43,6 +44,9 @@ from kiln.codegen.gemm.packing import array_panels
 from kiln.codegen.gemm.spec import Contraction
 from kiln.codegen.indexing import Index
 
+if TYPE_CHECKING:  # conv.py imports this module
+    from kiln.codegen.ops.conv import ConvOperands, Window
+
 # (Aᵀ, G, Bᵀ) per output tile size m, for a 3-tap kernel
 TRANSFORMS = {
     2: ([[1, 1, 1, 0], [0, 1, -1, -1]],
@@ -62,12 +66,12 @@ TRANSFORMS = {
 MIN_TILE_PANELS = 1
 
 
-def winograd_tile_size(ctx: StageCtx, w, group: int, acc_dtype: str) -> int:
+def winograd_tile_size(ctx: StageCtx, w: Window, group: int, acc_dtype: str) -> int:
     """The output tile size m to run this conv with (0: not a Winograd conv). F(2×2, 3×3): its
     transforms are exact in float arithmetic up to halves, and the GEMMs have N = tiles."""
     if (len(w.kernel) != 2 or tuple(w.kernel) != (3, 3) or any(s != 1 for s in w.strides)
             or any(d != 1 for d in w.dilations) or group != 1 or acc_dtype != "float32"
-            or ctx.op.op_type != "Conv" or ctx.const(1) is None):
+            or ctx.const(1) is None):
         return 0
     m = 2
     tiles = math.prod(-(-o // m) for o in w.out_size)
@@ -94,13 +98,14 @@ def _combination(coefficients, values: list[Expr], dtype: str) -> Expr:
 
 def _sandwich(left, tile: list[list[Expr]], dtype: str) -> list[list[Expr]]:
     """left · tile · leftᵀ, as expressions."""
-    rows = [[_combination([row[r] for r in range(len(tile))], [tile[r][s] for r in range(len(tile))],
-                          dtype) for s in range(len(tile[0]))] for row in left]
+    size = len(tile)
+    rows = [[_combination([row[r] for r in range(size)], [tile[r][s] for r in range(size)], dtype)
+             for s in range(len(tile[0]))] for row in left]
     return [[_combination(col, rows[a], dtype) for col in left] for a in range(len(rows))]
 
 
-def winograd_conv(ctx: StageCtx, w, w_shape: tuple[int, ...], ops, in_shape: tuple[int, ...],
-                  m: int) -> None:
+def winograd_conv(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: ConvOperands,
+                  in_shape: tuple[int, ...], m: int) -> None:
     at, g_matrix, bt = (np.array(t, dtype=np.float64) for t in TRANSFORMS[m])
     alpha = m + 2
     out, dtype = ctx.out(), ops.acc_dtype
