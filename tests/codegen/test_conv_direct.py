@@ -105,3 +105,41 @@ def _forms(onnx_model) -> str:
     kernels = generate(plan_for(graph, "none"), host_target())
     return " ".join(str(info.get("form")) for kernel in kernels
                     for info in kernel.schedule.get("stages", []))
+
+
+@st.composite
+def depthwise_plane_cases(draw):
+    """Depthwise convs up to 7×7 (ConvNeXt's), any stride, dilation, pads and multiplier."""
+    channels, multiplier = draw(st.integers(1, 4)), draw(st.sampled_from([1, 1, 2]))
+    kernel = [draw(st.sampled_from([1, 3, 5, 7])) for _ in range(2)]
+    strides = [draw(st.integers(1, 3)) for _ in range(2)]
+    dilations = [draw(st.sampled_from([1, 1, 2])) for _ in range(2)]
+    pads = [draw(st.integers(0, 3)) for _ in range(4)]
+    spatial = []
+    for d in range(2):
+        reach = (kernel[d] - 1) * dilations[d] + 1
+        spatial.append(max(draw(st.integers(1, 20)), reach - pads[d] - pads[d + 2]))
+    attrs = {"kernel_shape": kernel, "strides": strides, "dilations": dilations, "pads": pads,
+             "group": channels}
+    return ((draw(st.integers(1, 2)), channels, *spatial), (channels * multiplier, 1, *kernel),
+            attrs)
+
+
+@settings(max_examples=20, deadline=None)
+@given(depthwise_plane_cases(), st.sampled_from(["none", "relu-in", "relu-out"]))
+def test_depthwise_planes(case, fusion):
+    x_shape, w_shape, attrs = case
+    rng = np.random.default_rng(8)
+    inits = {"w": rng.standard_normal(w_shape).astype(np.float32),
+             "b": rng.standard_normal(w_shape[0]).astype(np.float32)}
+    spec = {"x": (x_shape, "float32")}
+    nodes, conv_in = [], "x"
+    if fusion == "relu-in":
+        nodes.append(helper.make_node("Relu", ["x"], ["xr"]))
+        conv_in = "xr"
+    nodes.append(helper.make_node("Conv", [conv_in, "w", "b"], ["c"], **attrs))
+    nodes.append(helper.make_node("Relu" if fusion == "relu-out" else "Identity", ["c"], ["y"]))
+    onnx_model = model(nodes, spec, ["y"], inits)
+    check_model(onnx_model, random_inputs(spec), partitioners=("none", "dnnfusion"))
+    if attrs["strides"] == [1, 1] and attrs["group"] > 1:  # one channel, 1×1: a matrix product
+        assert "depthwise planes" in _forms(onnx_model)
