@@ -227,7 +227,8 @@ def _epilogue(ctx: StageCtx, w: Window, grid: PhaseGrid, ops: ConvOperands, tile
                    [ir.Loop(oy, y_lo, y_hi, [columns])])
 
 
-PLANE_BYTES = 1 << 18  # a depthwise plane's padded copy and sums live on the stack up to this
+PLANE_BYTES = 1 << 18
+REGISTERS = 32  # vector registers on AVX-512 and NEON (AVX2 has 16: it spills a little sooner)  # a depthwise plane's padded copy and sums live on the stack up to this
 
 
 def depthwise_plane_applies(ctx: StageCtx, w: Window, x_channels: int, group: int,
@@ -283,15 +284,22 @@ def depthwise_plane(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: Con
         copy.append(ir.Loop(t, iconst(used), iconst(grid.segment),
                             [ir.ArrayStore(plane, t, const(0, dtype))]))
 
-    j = ctx.var("j", oh * grid.wq)
-    total: Expr | None = None
-    for tap, offset in enumerate(offsets):
-        ky, kx = divmod(tap, kw)
-        wv = ops.read_w(Index(w_shape, dims=[m, iconst(0), iconst(ky), iconst(kx)]))
-        term = binary("mul", wv, array_load(plane, dtype, add(j, int(offset))))
-        total = term if total is None else binary("add", total, term)
-    compute = ir.Loop(j, iconst(0), iconst(oh * grid.wq), [ir.ArrayStore(sums, j, total)],
-                      simd=True)
+    # a window with more taps than half the vector registers would spill its broadcast weights
+    # (a load per tap besides the input's): then one pass over the sums per kernel row
+    passes = [list(range(kh * kw))]
+    if kh * kw > REGISTERS // 2:
+        passes = [list(range(ky * kw, (ky + 1) * kw)) for ky in range(kh)]
+    compute: list[ir.Stmt] = []
+    for number, taps in enumerate(passes):
+        j = ctx.var("j", oh * grid.wq)
+        total = array_load(sums, dtype, j) if number else None
+        for tap in taps:
+            ky, kx = divmod(tap, kw)
+            wv = ops.read_w(Index(w_shape, dims=[m, iconst(0), iconst(ky), iconst(kx)]))
+            term = binary("mul", wv, array_load(plane, dtype, add(j, int(offsets[tap]))))
+            total = term if total is None else binary("add", total, term)
+        compute.append(ir.Loop(j, iconst(0), iconst(oh * grid.wq),
+                               [ir.ArrayStore(sums, j, total)], simd=True))
 
     oy, ox = ctx.var("y", oh), ctx.var("x", ow)
     value = ops.finish(array_load(sums, dtype, add(mul(oy, grid.wq), ox)), m)
@@ -299,7 +307,7 @@ def depthwise_plane(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: Con
     epilogue = ir.Loop(oy, iconst(0), iconst(oh),
                        [ir.Loop(ox, iconst(0), iconst(ow), stores, simd=True)])
     body = [ir.DeclArray(plane, dtype, grid.segment), ir.DeclArray(sums, dtype, oh * grid.wq),
-            *copy, compute, epilogue]
+            *copy, *compute, epilogue]
     ctx.stage(f"conv ({ctx.op.id}), depthwise over padded planes",
               [ir.Loop(p, iconst(0), iconst(batch * m_total), body, parallel=1, grain="chunks")],
               out.numel * kh * kw)
