@@ -104,7 +104,8 @@ class If:
 class MicroKernelCall:
     """One register-blocked GEMM tile update (`kiln.codegen.microkernel`):
     `kernel(kc, a + a_offset, b + b_offset, ldb, c + c_offset, ldc, accumulate)`. `a` and `b` are
-    kernel buffers (packed weights or scratch), `c` a local array."""
+    kernel buffers (packed weights or scratch), `c` a local array. An indirect kernel takes the
+    row-offset table `rows + rows_offset` (a kernel buffer of int32) in place of `ldb`."""
 
     kernel: MicroKernel
     kc: Expr
@@ -117,6 +118,8 @@ class MicroKernelCall:
     c_offset: Expr
     ldc: int
     accumulate: Expr
+    rows: str | None = None
+    rows_offset: Expr | None = None
 
 
 Stmt = Loop | Let | DeclAcc | Assign | DeclArray | ArrayStore | Store | If | MicroKernelCall
@@ -181,7 +184,8 @@ def stmt_exprs(stmt: Stmt) -> list[Expr]:
     if isinstance(stmt, If):
         return [stmt.cond]
     if isinstance(stmt, MicroKernelCall):
-        return [stmt.kc, stmt.a_offset, stmt.b_offset, stmt.c_offset, stmt.accumulate]
+        exprs = [stmt.kc, stmt.a_offset, stmt.b_offset, stmt.c_offset, stmt.accumulate]
+        return exprs + ([stmt.rows_offset] if stmt.rows_offset is not None else [])
     return []
 
 
@@ -206,6 +210,8 @@ def map_exprs(body: list[Stmt], fn) -> None:
             stmt.kc, stmt.accumulate = fn(stmt.kc), fn(stmt.accumulate)
             stmt.a_offset, stmt.b_offset = fn(stmt.a_offset), fn(stmt.b_offset)
             stmt.c_offset = fn(stmt.c_offset)
+            if stmt.rows_offset is not None:
+                stmt.rows_offset = fn(stmt.rows_offset)
 
 
 def all_exprs(body: list[Stmt]) -> list[Expr]:

@@ -403,7 +403,7 @@ class BlockLowering:
         loaded = {e.name for stage in self.stages for e in walk(ir.all_exprs(stage.body))
                   if e.op == "load"}
         loaded |= {name for stage in self.stages for s in ir.iter_stmts(stage.body)
-                   if isinstance(s, ir.MicroKernelCall) for name in (s.a, s.b)}
+                   if isinstance(s, ir.MicroKernelCall) for name in (s.a, s.b, s.rows) if name}
         inputs = [t for t in self.block.inputs if t in loaded]
         derived = [d for d in self.derived if d in loaded]
         outputs = list(self.block.outputs)

@@ -9,6 +9,11 @@ One generator serves every ISA: a micro-kernel updates an `mr` × `nr` tile of C
   packed panel, the padded row length for a row-major operand), loaded as `nr / lanes` vectors;
 * C tile: row-major with leading dimension `ldc`, loaded (when `accumulate`) and stored once.
 
+An *indirect* micro-kernel reads B row k at `b + rows[k]` instead of `b + k·ldb`: a table of row
+offsets (int32) computed at compile time. A direct convolution uses it to read each (input channel,
+kernel tap) row of its B operand straight from the zero-padded input, shifted by the tap's offset,
+with no im2col copy (`kiln.codegen.ops.conv_direct`).
+
 The compiler turns `acc += a * b` on vector types into FMA instructions of the target: AVX-512
 (zmm, 16 lanes) or AVX2 (ymm, 8 lanes) on x86-64, NEON (4 lanes) on aarch64. The tile shape fills
 the register file: accumulators + B vectors + one broadcast ≤ the number of vector registers.
@@ -33,6 +38,7 @@ class MicroKernel:
     mr: int
     nr: int
     vector_bytes: int
+    indirect: bool = False  # B rows at b + rows[k] (an int32 offset table), not b + k·ldb
 
     @property
     def scalar(self) -> str:
@@ -44,7 +50,8 @@ class MicroKernel:
 
     @property
     def function(self) -> str:
-        return f"kiln_ukr_{self.dtype}_{self.mr}x{self.nr}_v{self.vector_bytes}"
+        kind = "ind_" if self.indirect else ""
+        return f"kiln_ukr_{kind}{self.dtype}_{self.mr}x{self.nr}_v{self.vector_bytes}"
 
 
 def tile_for(isa: tuple[str, ...], dtype: str, vector_bytes: int = 0, mr: int = 0,
@@ -68,11 +75,13 @@ def vector_extension_source(k: MicroKernel) -> str:
     if k.nr % lanes:
         raise ValueError(f"nr={k.nr} is not a multiple of {lanes} lanes")
     vec, vecu = f"{k.function}_v", f"{k.function}_vu"
+    rows = "const int32_t *restrict rows" if k.indirect else "int64_t ldb"
+    row = "rows[k]" if k.indirect else "k * ldb"
     lines = [
         f"typedef {k.scalar} {vec} __attribute__((vector_size({k.vector_bytes})));",
         f"typedef {k.scalar} {vecu} __attribute__((vector_size({k.vector_bytes}), aligned({4 if k.dtype == 'float32' else 8})));",
         f"static inline void {k.function}(int64_t kc, const {k.scalar} *restrict a, "
-        f"const {k.scalar} *restrict b, int64_t ldb, {k.scalar} *restrict c, int64_t ldc, "
+        f"const {k.scalar} *restrict b, {rows}, {k.scalar} *restrict c, int64_t ldc, "
         f"int accumulate) {{",
     ]
     acc = [[f"c{r}_{v}" for v in range(vectors)] for r in range(k.mr)]
@@ -81,8 +90,9 @@ def vector_extension_source(k: MicroKernel) -> str:
             lines.append(f"  {vec} {acc[r][v]} = accumulate ? *(const {vecu} *)(c + {r} * ldc + "
                          f"{v * lanes}) : ({vec}){{0}};")
     lines.append("  for (int64_t k = 0; k < kc; ++k) {")
+    lines.append(f"    const {k.scalar} *restrict bk = b + {row};")
     for v in range(vectors):
-        lines.append(f"    const {vec} b{v} = *(const {vecu} *)(b + k * ldb + {v * lanes});")
+        lines.append(f"    const {vec} b{v} = *(const {vecu} *)(bk + {v * lanes});")
     for r in range(k.mr):
         lines.append(f"    {{ const {k.scalar} a{r} = a[k * {k.mr} + {r}];")
         lines.extend(f"      {acc[r][v]} += a{r} * b{v};" for v in range(vectors))

@@ -345,8 +345,9 @@ class _Binder:
             kc, accumulate = ref(stmt.kc, scope), ref(stmt.accumulate, scope)
             a, b, c = (ref(stmt.a_offset, scope), ref(stmt.b_offset, scope),
                        ref(stmt.c_offset, scope))
+            rows = None if stmt.rows_offset is None else ref(stmt.rows_offset, scope)
             scope.body.append(replace(stmt, kc=kc, accumulate=accumulate, a_offset=a,
-                                      b_offset=b, c_offset=c))
+                                      b_offset=b, c_offset=c, rows_offset=rows))
         else:
             raise TypeError(f"unknown statement {stmt!r}")
 

@@ -30,6 +30,9 @@ class Schedule:
     # of `conv_tile_cout` output channels (each input row is reused that many times) and output
     # rows tiled by `conv_tile_w`.
     conv_gemm_min_cout: int = 16
+    # GEMM-sized 3×3 stride-1 convs on images of at least a micro-kernel panel of 2×2 tiles run
+    # as Winograd F(2×2, 3×3) (kiln.codegen.ops.conv_winograd); False: as direct convs.
+    conv_winograd: bool = True
     conv_tile_cout: int = 4
     conv_tile_w: int = 256
     # Packed GEMM (every contraction of at least `gemm_min_m` rows × `gemm_min_n` columns, convs

@@ -67,7 +67,8 @@ def genes(target: Target) -> tuple[Gene, ...]:
         Gene("matmul_tile", ({}, *({"matmul_tile_m": m, "matmul_tile_n": n}
                                    for m in (8, 16, 32, 64) for n in (32, 64, 128, 256)
                                    if (m, n) != (32, 64)))),
-        Gene("conv_algorithm", ({}, {"conv_gemm_min_cout": 8}, {"conv_gemm_min_cout": 1 << 30})),
+        Gene("conv_algorithm", ({}, {"conv_gemm_min_cout": 8}, {"conv_gemm_min_cout": 1 << 30},
+                                {"conv_winograd": False})),
         Gene("conv_tile", ({}, *({"conv_tile_cout": c, "conv_tile_w": w}
                                  for c in (2, 4, 8) for w in (64, 256, 1024) if (c, w) != (4, 256)))),
         Gene("parallel_min_work", ({}, *({"parallel_min_work": v} for v in (1 << 12, 1 << 18, 1 << 22)))),

@@ -113,22 +113,27 @@ def test_gemm_transposed_weights_alpha_beta():
     assert "packed" in forms(run_with(m, spec, small_blocks(TILES[0])))
 
 
-@pytest.mark.parametrize("strides,pads,group,dil", [
-    ((1, 1), (1, 1, 1, 1), 1, (1, 1)),
-    ((2, 2), (0, 1, 1, 0), 1, (1, 1)),
-    ((1, 1), (2, 2, 2, 2), 2, (2, 2)),
+@pytest.mark.parametrize("spatial,strides,pads,group,dil,winograd,form", [
+    ((9, 11), (1, 1), (1, 1, 1, 1), 1, (1, 1), True, "Winograd F(2x2, 3x3)"),
+    ((9, 11), (1, 1), (1, 1, 1, 1), 1, (1, 1), False, "direct GEMM"),
+    ((9, 11), (2, 2), (0, 1, 1, 0), 1, (1, 1), True, "direct GEMM"),
+    ((9, 11), (1, 1), (2, 2, 2, 2), 2, (2, 2), True, "direct GEMM"),
+    ((21,), (2,), (1, 2), 1, (1,), True, "packed"),  # 1-D: the implicit GEMM
+    ((5, 6, 7), (1, 2, 1), (1, 0, 1, 1, 1, 0), 2, (1, 1, 2), True, "packed"),  # 3-D likewise
 ])
-def test_convolution_as_implicit_gemm(strides, pads, group, dil):
-    spec = {"x": ((2, 4, 9, 11), "float32")}
+def test_convolution_as_gemm(spatial, strides, pads, group, dil, winograd, form):
+    """Convs as GEMMs with cache blocks of one micro-tile and slices of 5 along the sum."""
+    spec = {"x": ((2, 4, *spatial), "float32")}
     rng = np.random.default_rng(4)
-    inits = {"w": rng.standard_normal((32, 4 // group, 3, 3)).astype(np.float32),
+    kernel = (3,) * len(spatial)
+    inits = {"w": rng.standard_normal((32, 4 // group, *kernel)).astype(np.float32),
              "b": rng.standard_normal(32).astype(np.float32)}
     nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], strides=strides, pads=pads,
                               group=group, dilations=dil),
              helper.make_node("Relu", ["c"], ["y"])]
-    kernels = run_with(model(nodes, spec, ["y"], inits), spec, small_blocks(TILES[1]))
-    info = [s for k in kernels for s in k.schedule["stages"] if s.get("conv") == "implicit GEMM"]
-    assert info and info[0]["form"] == "packed"
+    kernels = run_with(model(nodes, spec, ["y"], inits), spec,
+                       small_blocks(TILES[1], conv_winograd=winograd))
+    assert form in forms(kernels)
 
 
 def test_float64_matmul():

@@ -23,7 +23,13 @@ from kiln.codegen.expr import (
 from kiln.codegen.indexing import Index
 from kiln.codegen.gemm.blocking import Blocking, blocking
 from kiln.codegen.microkernel import MicroKernel, tile_for
-from kiln.codegen.gemm.packing import OperandSide, b_rows, constant_panels, scratch_panels
+from kiln.codegen.gemm.packing import (
+    OperandSide,
+    Packed,
+    b_rows,
+    constant_panels,
+    scratch_panels,
+)
 from kiln.codegen.gemm.spec import Contraction, batch_of, results, stride_of
 
 
@@ -38,12 +44,14 @@ def packed_applies(ctx: StageCtx, spec: Contraction) -> bool:
             and spec.m >= s.gemm_min_m and spec.n >= s.gemm_min_n)
 
 
-def packed_gemm(ctx: StageCtx, spec: Contraction) -> None:
+def packed_gemm(ctx: StageCtx, spec: Contraction, packed_a: Packed | None = None) -> None:
+    """`spec` as a packed GEMM; `packed_a`: A already in panels of the micro-kernel's rows."""
     s = ctx.schedule
     uk = micro_kernel(ctx, spec.dtype)
     a = OperandSide("a", spec.a, spec.a_batch, spec.m)
     b_side = OperandSide("b", lambda bi, j, k: spec.b(bi, k, j), spec.b_batch, spec.n)
-    packed_a = constant_panels(ctx, spec, a, uk.mr) or scratch_panels(ctx, spec, a, uk.mr)
+    packed_a = (packed_a or constant_panels(ctx, spec, a, uk.mr)
+                or scratch_panels(ctx, spec, a, uk.mr))
     packed_b = constant_panels(ctx, spec, b_side, uk.nr) or b_rows(ctx, spec, b_side, uk.nr)
     bt = math.prod(spec.batch)
     blk = blocking(spec.m, spec.n, spec.k, bt, uk, s.gemm_mc, s.gemm_nc, s.gemm_kc)

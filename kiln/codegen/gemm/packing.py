@@ -75,9 +75,16 @@ def constant_panels(ctx: StageCtx, spec: Contraction, side: OperandSide, unit: i
     if values is None:
         return None
     values = np.where(grid[1] < side.extent, values, 0).astype(values.dtype)
-    panelled = values.reshape(nb, panels, unit, spec.k).transpose(0, 1, 3, 2)
     ctx.info[f"{side.name}_operand"] = "pre-packed constant"
-    return panel_layout(ctx.derived(np.ascontiguousarray(panelled)), panels, spec.k, unit)
+    return array_panels(ctx, values, unit)
+
+
+def array_panels(ctx: StageCtx, values: np.ndarray, unit: int) -> Packed:
+    """A compile-time array (batch, rows of A or columns of B, k), its rows a whole number of
+    panels of `unit`, as a derived constant in panels."""
+    nb, rows, k = values.shape
+    panelled = values.reshape(nb, rows // unit, unit, k).transpose(0, 1, 3, 2)
+    return panel_layout(ctx.derived(np.ascontiguousarray(panelled)), rows // unit, k, unit)
 
 
 def scratch_panels(ctx: StageCtx, spec: Contraction, side: OperandSide, unit: int) -> Packed:

@@ -1,12 +1,23 @@
 """Convolutions and pooling (Many-to-Many over sliding windows), any number of spatial dims.
 
-Conv (direct): parallel over (image, block of `conv_tile_cout` output channels, output rows); for
-each tile of `conv_tile_w` output columns, stack accumulators acc[channels][columns]; loops over
-input channel, kernel rows and kernel columns narrow their ranges to the valid input region (no
-per-element padding test), and the vectorised inner loop runs over output columns:
-acc[c][x] += w · X[.., x·stride + kx·dilation − pad]. A constant-zero Pad in front of the conv is
-folded into its padding; any other non-trivial input prologue is packed into scratch once. A 1×1,
-stride-1, unpadded conv is a matrix product and uses the contraction lowering.
+Conv picks its loop nest from the shape:
+* a 1×1, stride-1, unpadded, ungrouped conv is a matrix product (the contraction lowering);
+* GEMM-sized convs (at least `conv_gemm_min_cout` output channels per group): 3×3 stride-1 ones
+  on images of enough 2×2 tiles run as Winograd F(2×2, 3×3) (`conv_winograd`); other 2-D float
+  ones as a direct conv, a GEMM that reads its B operand in place from a zero-padded,
+  stride-phase-split copy of the input (`conv_direct`: no im2col; stems, strided and dilated
+  convs included); the rest as an implicit GEMM whose B packing does the im2col;
+* depthwise 2-D convs over zero-padded planes on the stack (`conv_direct.depthwise_plane`), or,
+  when strided with thin borders or too large for the stack, with interior and border outputs
+  split (`_depthwise_conv`);
+* any other conv (few output channels per group, 1-D/3-D) as direct loops: parallel over
+  (image, block of `conv_tile_cout` output channels, output rows); for each tile of
+  `conv_tile_w` output columns, stack accumulators acc[channels][columns]; loops over input
+  channel, kernel rows and kernel columns narrow their ranges to the valid input region (no
+  per-element padding test), and the vectorised inner loop runs over output columns:
+  acc[c][x] += w · X[.., x·stride + kx·dilation − pad].
+A constant-zero Pad in front of the conv is folded into its padding; any other non-trivial input
+prologue is evaluated where the input is copied, or packed into scratch once.
 
 ConvTranspose gathers: each output element sums the input elements whose stride grid hits it;
 Col2Im likewise sums the column entries of the blocks covering an image element (inline).
@@ -51,7 +62,14 @@ from kiln.codegen.indexing import Index
 from kiln.codegen.contexts import InlineCtx, StageCtx
 from kiln.codegen.ops.registry import inline, stage
 from kiln.codegen.gemm.contraction import contraction
-from kiln.codegen.gemm.spec import Contraction
+from kiln.codegen.gemm.spec import BOperand, Contraction
+from kiln.codegen.ops.conv_direct import (
+    depthwise_plane,
+    depthwise_plane_applies,
+    direct_applies,
+    direct_conv,
+)
+from kiln.codegen.ops.conv_winograd import winograd_conv, winograd_tile_size
 from kiln.ecg import Graph, Op
 
 
@@ -149,14 +167,34 @@ class ConvOperands:
     read_w: Reader
     acc_dtype: str
     finish: Finish
+    # reads for a loop that reads each input element once (a padded copy): the input's fused
+    # prologue evaluated there, never packed into scratch first; None: `read_x`
+    read_x_once: Reader | None = None
+
+    @property
+    def once(self) -> Reader:
+        return self.read_x_once or self.read_x
 
 
 @stage("Conv", check=_float_input)
 def _conv(ctx: StageCtx) -> None:
     out = ctx.out()
     read_w = ctx.reader(ctx.op.inputs[1])
-    conv_stage(ctx, 1, lambda x, folded: ConvOperands(x, ctx.reader(x), read_w, out.dtype,
-                                                      lambda total, m: _bias(ctx, 2, total, m)))
+    conv_stage(ctx, 1, lambda x, folded: ConvOperands(
+        x, _reader_on_first_use(ctx, x), read_w, out.dtype,
+        lambda total, m: _bias(ctx, 2, total, m), lambda index: ctx.builder.value(x, index)))
+
+
+def _reader_on_first_use(ctx: StageCtx, tensor: str) -> Reader:
+    """`ctx.reader(tensor)`, made (and its prologue packed, if it needs one) at the first read:
+    a lowering that reads the input only through `ConvOperands.once` packs nothing."""
+    made: list[Reader] = []
+
+    def read(index: Index) -> Expr:
+        if not made:
+            made.append(ctx.reader(tensor))
+        return made[0](index)
+    return read
 
 
 def conv_stage(ctx: StageCtx, weight: int, operands: Callable[[str, bool], ConvOperands]) -> None:
@@ -179,9 +217,20 @@ def conv_stage(ctx: StageCtx, weight: int, operands: Callable[[str, bool], ConvO
                           tuple(a + b for a, b in zip(geometry.pad_begin, extra)), geometry.pad_end)
     ops = operands(source, bool(extra))
     if w_shape[0] // group >= ctx.schedule.conv_gemm_min_cout:
-        _implicit_gemm(ctx, geometry, w_shape, ops, group)
+        in_shape = ctx.graph.tensors[ops.x].shape
+        if tile := winograd_tile_size(ctx, geometry, group, ops.acc_dtype):
+            winograd_conv(ctx, geometry, w_shape, ops, in_shape, tile)
+        elif direct_applies(ctx, geometry, ops.acc_dtype):
+            direct_conv(ctx, geometry, w_shape, ops, group, in_shape,
+                        im2col(geometry, ops, in_shape, in_shape[1] // group))
+        else:
+            _implicit_gemm(ctx, geometry, w_shape, ops, group)
     else:
-        if not _depthwise_conv(ctx, geometry, w_shape, ops, group):
+        in_shape = ctx.graph.tensors[ops.x].shape
+        if (depthwise_plane_applies(ctx, geometry, in_shape[1], group, ops.acc_dtype)
+                and not _strided_with_thin_borders(geometry)):
+            depthwise_plane(ctx, geometry, w_shape, ops, group, in_shape)
+        elif not _depthwise_conv(ctx, geometry, w_shape, ops, group):
             _direct_conv(ctx, geometry, w_shape, ops, group)
 
 
@@ -203,6 +252,22 @@ def _implicit_gemm(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: Conv
         (g,) = bi.dims
         return ops.read_w(Index(w_shape, flat=add(mul(add(mul(g, mg), i), cg * taps), k)))
 
+    def out_index(b: Expr, i: Expr, j: Expr) -> Index:
+        n, g = Index((batch, group), flat=b).dims
+        return Index(out.shape, flat=add(mul(add(mul(n, group * mg), mul(g, mg), i), pixels), j))
+
+    def finish(total: Expr, b: Expr, i: Expr, j: Expr) -> Expr:
+        return ops.finish(total, add(mul(modulo(b, group), mg), i))
+
+    contraction(ctx, Contraction((batch, group), mg, pixels, cg * taps, (group,), (batch, group),
+                                 a_at, im2col(w, ops, in_shape, cg), out_index, finish,
+                                 ops.acc_dtype))
+    ctx.info["conv"] = "implicit GEMM"
+
+
+def im2col(w: Window, ops: ConvOperands, in_shape: tuple[int, ...], cg: int) -> BOperand:
+    """The B operand of a convolution seen as a GEMM per (image, group): element (k, j) is the
+    input under kernel tap k = (input channel, taps…) for output pixel j, zero in the padding."""
     def b_at(bi: Index, k: Expr, j: Expr) -> Expr:
         n, g = bi.dims
         c, *tap = Index((cg, *w.kernel), flat=k).dims
@@ -215,17 +280,7 @@ def _implicit_gemm(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: Conv
         clamped = [clamp(position, 0, n_d - 1) for position, n_d in zip(positions, w.in_size)]
         value = ops.read_x(Index(in_shape, dims=[n, add(mul(g, cg), c), *clamped]))
         return select(inside, value, const(0, value.dtype))
-
-    def out_index(b: Expr, i: Expr, j: Expr) -> Index:
-        n, g = Index((batch, group), flat=b).dims
-        return Index(out.shape, flat=add(mul(add(mul(n, group * mg), mul(g, mg), i), pixels), j))
-
-    def finish(total: Expr, b: Expr, i: Expr, j: Expr) -> Expr:
-        return ops.finish(total, add(mul(modulo(b, group), mg), i))
-
-    contraction(ctx, Contraction((batch, group), mg, pixels, cg * taps, (group,), (batch, group),
-                                 a_at, b_at, out_index, finish, ops.acc_dtype))
-    ctx.info["conv"] = "implicit GEMM"
+    return b_at
 
 
 def _bias(ctx: StageCtx, position: int, total: Expr, m: Expr) -> Expr:
@@ -337,6 +392,20 @@ def _border(out_size: int, in_size: int, kernel: int, stride: int, dilation: int
     lo = min(out_size, -(-pad // stride)) if pad > 0 else 0
     hi = (in_size - 1 - (kernel - 1) * dilation + pad) // stride + 1
     return lo, max(lo, min(out_size, hi))
+
+
+def _strided_with_thin_borders(w: Window) -> bool:
+    """A strided 2-D window whose border outputs (those with a tap in the padding) are under a
+    tenth of the output: `_depthwise_conv` reads such a conv's input in place, where the padded
+    copy of `depthwise_plane` would first read all of it for an output a stride² smaller."""
+    if len(w.kernel) != 2 or all(s == 1 for s in w.strides):
+        return False
+    interior = 1
+    for d in range(2):
+        lo, hi = _border(w.out_size[d], w.in_size[d], w.kernel[d], w.strides[d], w.dilations[d],
+                         w.pad_begin[d])
+        interior *= hi - lo
+    return interior >= 0.9 * math.prod(w.out_size)
 
 
 def _depthwise_conv(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: ConvOperands,

@@ -161,8 +161,10 @@ class CStyleRenderer:
         if isinstance(stmt, ir.MicroKernelCall):
             k = stmt.kernel
             self.micro_kernels.setdefault(k.function, self.micro_kernel(k))
+            rows = (str(stmt.ldb) if stmt.rows is None
+                    else f"{stmt.rows} + {x(stmt.rows_offset)}")
             return [f"{k.function}({x(stmt.kc)}, {stmt.a} + {x(stmt.a_offset)}, {stmt.b} + "
-                    f"{x(stmt.b_offset)}, {stmt.ldb}, {stmt.c} + {x(stmt.c_offset)}, {stmt.ldc}, "
+                    f"{x(stmt.b_offset)}, {rows}, {stmt.c} + {x(stmt.c_offset)}, {stmt.ldc}, "
                     f"{x(stmt.accumulate)});"]
         raise TypeError(f"unknown statement {stmt!r}")
 

@@ -1,0 +1,314 @@
+"""Direct 2-D convolution as a GEMM that reads its B operand in place: no materialised im2col.
+
+The input of each (image, group) is copied once, zero-padded, into scratch, split into the stride
+phases its taps read: phase (py, px) holds padded rows py, py + sh, … and columns px, px + sw, …
+as a grid of `hq` × `wq`. An output pixel (oy, ox) is numbered j = oy·wq + ox over that grid's
+width, so tap (ky, kx) of input channel c reads element j + offset(c, ky, kx) of the copy: for a
+fixed (c, ky, kx) the pixels' inputs are contiguous, whatever the stride. The convolution is then
+C[m, j] = Σ_(c,ky,kx) W[m, c, ky, kx] · copy[offset(c, ky, kx) + j], a GEMM whose B row k starts
+at a compile-time offset: the packed weights are the A panels, and the indirect micro-kernel
+(`kiln.codegen.microkernel`) reads B row k at `copy + rows[k]` straight from the padded input.
+
+The columns ox ≥ ow of each grid row are computed and dropped (wq − ow of them per row: a few per
+cent at 56 × 56, more on 7 × 7 images); each finished micro-tile's valid pixels go through the
+fused epilogue from L1, one output row at a time. The copy is about the input's size (im2col's is
+kh·kw times it), and its loop evaluates a fused input prologue once per element.
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+from dataclasses import dataclass
+
+import numpy as np
+
+from kiln.codegen import ir
+from kiln.codegen.contexts import StageCtx
+from kiln.codegen.expr import (
+    BOOL,
+    Expr,
+    add,
+    array_load,
+    binary,
+    clamp,
+    const,
+    floordiv,
+    iconst,
+    imax,
+    imin,
+    index_compare,
+    logical_and,
+    mul,
+    select,
+    sub,
+)
+from kiln.codegen.gemm.blocking import blocking, round_up
+from kiln.codegen.gemm.packed import micro_kernel
+from kiln.codegen.gemm.packing import OperandSide, constant_panels, scratch_panels
+from kiln.codegen.gemm.spec import BOperand, Contraction, batch_of
+from kiln.codegen.indexing import Index
+from kiln.codegen.microkernel import MicroKernel
+
+if TYPE_CHECKING:  # conv.py imports this module
+    from kiln.codegen.ops.conv import ConvOperands, Window
+
+
+@dataclass(frozen=True)
+class PhaseGrid:
+    """Where the padded, phase-split copy keeps each element, per (image, group) segment of
+    `segment` elements: channel c, phase p, row r, column q at ((c·phases + p)·hq + r)·wq + q."""
+
+    phases: tuple[tuple[int, int], ...]  # (row phase, column phase) that some tap reads
+    hq: int
+    wq: int
+    channels: int
+    segment: int  # elements per (image, group), the tail past the last channel zeroed
+
+    @property
+    def channel_stride(self) -> int:
+        return len(self.phases) * self.hq * self.wq
+
+
+def _phase_grid(w: Window, channels: int, nr: int) -> tuple[PhaseGrid, np.ndarray]:
+    """The copy's layout and the row-offset table: offset of (c, ky, kx), flattened like the
+    weights' (c, ky, kx), plus the pixel j it is added to."""
+    (oh, ow), (kh, kw) = w.out_size, w.kernel
+    (sh, sw), (dh, dw) = w.strides, w.dilations
+    rows_needed = (oh - 1) * sh + (kh - 1) * dh + 1
+    cols_needed = (ow - 1) * sw + (kw - 1) * dw + 1
+    hq, wq = -(-rows_needed // sh), -(-cols_needed // sw)
+    taps = [(ky, kx) for ky in range(kh) for kx in range(kw)]
+    phases = tuple(sorted({((ky * dh) % sh, (kx * dw) % sw) for ky, kx in taps}))
+    plane = hq * wq
+    tap_offsets = np.array([phases.index(((ky * dh) % sh, (kx * dw) % sw)) * plane
+                            + (ky * dh) // sh * wq + (kx * dw) // sw for ky, kx in taps])
+    channel_stride = len(phases) * plane
+    rows = (np.arange(channels)[:, None] * channel_stride + tap_offsets[None, :]).reshape(-1)
+    pixels = round_up(oh * wq, nr)
+    segment = round_up(max(channels * channel_stride, int(rows.max()) + pixels), 16)
+    return PhaseGrid(phases, hq, wq, channels, segment), rows.astype(np.int32)
+
+
+def direct_applies(ctx: StageCtx, w: Window, acc_dtype: str) -> bool:
+    """A 2-D float convolution on a target with GEMM micro-kernels, small enough for int32
+    row offsets."""
+    s = ctx.schedule
+    return (len(w.kernel) == 2 and acc_dtype in ("float32", "float64") and s.vector_bytes > 0
+            and ctx.graph.tensors[ctx.op.inputs[0]].numel < 2 ** 30)
+
+
+def _copy_input(ctx: StageCtx, w: Window, grid: PhaseGrid, ops: ConvOperands,
+                in_shape: tuple[int, ...], group: int, dtype: str) -> str:
+    """The zero-padded, phase-split copy of the input, one parallel loop over (image, group,
+    channel, row), a vector loop over each phase's columns; the segments' tails are zeroed."""
+    batch, channels = in_shape[:2]
+    segments = batch * group
+    name = ctx.scratch(dtype, segments * grid.segment)
+    (sh, sw), (ph, pw), (ih, iw) = w.strides, w.pad_begin, w.in_size
+    q = ctx.var("q", segments * grid.channels * grid.hq)
+    b, c, r = Index((segments, grid.channels, grid.hq), flat=q).dims
+    n, g = floordiv(b, group), sub(b, mul(floordiv(b, group), group))
+    body: list[ir.Stmt] = []
+    for p, (py, px) in enumerate(grid.phases):
+        u = ctx.var("u", grid.wq)
+        y, x = sub(add(mul(r, sh), py), ph), sub(add(mul(u, sw), px), pw)
+        inside = logical_and(logical_and(index_compare("ge", y, 0), index_compare("lt", y, ih)),
+                             logical_and(index_compare("ge", x, 0), index_compare("lt", x, iw)))
+        value = ops.once(Index((batch, channels, ih, iw),
+                                 dims=[n, add(mul(g, grid.channels), c), clamp(y, 0, ih - 1),
+                                       clamp(x, 0, iw - 1)]))
+        at = add(mul(b, grid.segment), mul(add(mul(add(mul(c, len(grid.phases)), p), grid.hq), r),
+                                           grid.wq), u)
+        body.append(ir.Loop(u, iconst(0), iconst(grid.wq),
+                            [ir.Store(name, at, select(inside, value, const(0, dtype)))],
+                            simd=True))
+    loops = [ir.Loop(q, iconst(0), iconst(segments * grid.channels * grid.hq), body, parallel=1,
+                     grain="chunks")]
+    used = grid.channels * grid.channel_stride
+    if grid.segment > used:
+        t = ctx.var("t", segments * (grid.segment - used))
+        tb, tu = Index((segments, grid.segment - used), flat=t).dims
+        loops.append(ir.Loop(t, iconst(0), iconst(segments * (grid.segment - used)),
+                             [ir.Store(name, add(mul(tb, grid.segment), used, tu),
+                                       const(0, dtype))]))
+    ctx.stage(f"pad input of {ctx.op.id} into stride phases", loops,
+              segments * grid.segment)
+    return name
+
+
+def direct_conv(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: ConvOperands,
+                group: int, in_shape: tuple[int, ...], im2col: BOperand) -> None:
+    """The convolution as an indirect GEMM per (image, group) over the padded copy (module
+    docstring). `ops` is how the conv reads its operands (`kiln.codegen.ops.conv.ConvOperands`),
+    `im2col` its B operand as a plain contraction would read it (what the copy and the row
+    offsets stand for)."""
+    s = ctx.schedule
+    out, dtype = ctx.out(), ops.acc_dtype
+    batch, channels = out.shape[0], in_shape[1]
+    cg, mg = channels // group, w_shape[0] // group
+    (oh, ow), taps = w.out_size, math.prod(w.kernel)
+    base = micro_kernel(ctx, dtype)
+    uk = MicroKernel(base.dtype, base.mr, base.nr, base.vector_bytes, indirect=True)
+    grid, row_offsets = _phase_grid(w, cg, uk.nr)
+    pixels, k_total = round_up(oh * grid.wq, uk.nr), cg * taps
+
+    def a_at(bi: Index, i: Expr, k: Expr) -> Expr:
+        (g,) = bi.dims
+        return ops.read_w(Index(w_shape, flat=add(mul(add(mul(g, mg), i), k_total), k)))
+
+    spec = Contraction((batch, group), mg, pixels, k_total, (group,), (batch, group), a_at,
+                       im2col, lambda b, i, j: Index(out.shape, flat=j),
+                       lambda total, b, i, j: total, dtype)
+    side = OperandSide("a", a_at, (group,), mg)
+    packed_a = constant_panels(ctx, spec, side, uk.mr) or scratch_panels(ctx, spec, side, uk.mr)
+    copy = _copy_input(ctx, w, grid, ops, in_shape, group, dtype)
+    rows = ctx.derived(row_offsets)
+
+    bt = batch * group
+    blk = blocking(mg, pixels, k_total, bt, uk, s.gemm_mc, s.gemm_nc, s.gemm_kc)
+    row_blocks, col_blocks = -(-mg // blk.mc), -(-pixels // blk.nc)
+    k_blocks = -(-k_total // blk.kc)
+    tasks = bt * row_blocks * col_blocks
+    p = ctx.var("p", tasks)
+    b, rb, cb = Index((bt, row_blocks, col_blocks), flat=p).dims
+    i0, j0 = mul(rb, blk.mc), mul(cb, blk.nc)
+    tile = ctx.name("ct")
+    row_panels = imin(iconst(blk.mc // uk.mr), floordiv(sub(iconst(mg + uk.mr - 1), i0), uk.mr))
+    col_panels = imin(iconst(blk.nc // uk.nr), floordiv(sub(iconst(pixels), j0), uk.nr))
+    kb = ctx.var("kb", k_blocks)
+    k0 = mul(kb, blk.kc)
+    kc = (iconst(blk.kc) if k_total % blk.kc == 0
+          else imin(iconst(blk.kc), sub(iconst(k_total), k0)))
+    ip, jp = ctx.var("ip", blk.mc // uk.mr), ctx.var("jp", blk.nc // uk.nr)
+    i_lo, j_lo = add(i0, mul(ip, uk.mr)), add(j0, mul(jp, uk.nr))
+    call = ir.MicroKernelCall(
+        uk, kc, packed_a.buffer, packed_a.offset(batch_of(spec, b, (group,)).flat, k0, i_lo),
+        copy, add(mul(b, grid.segment), j_lo), 0, tile,
+        add(mul(ip, uk.mr * blk.nc), mul(jp, uk.nr)), blk.nc,
+        index_compare("gt", kb, 0) if k_blocks > 1 else const(False, BOOL), rows, k0)
+    epilogue = _epilogue(ctx, w, grid, ops, tile, blk.nc, (b, i0, j0), (i_lo, j_lo), uk, mg,
+                         group)
+    if k_blocks > 1:
+        epilogue = ir.If(index_compare("eq", kb, k_blocks - 1), [epilogue])
+    compute = ir.Loop(jp, iconst(0), col_panels,
+                      [ir.Loop(ip, iconst(0), row_panels, [call, epilogue])])
+    body = [ir.DeclArray(tile, dtype, blk.mc * blk.nc),
+            ir.Loop(kb, iconst(0), iconst(k_blocks), [compute])]
+    ctx.stage(f"conv ({ctx.op.id}), direct over the padded input",
+              [ir.Loop(p, iconst(0), iconst(tasks), body, parallel=1,
+                       grain="one" if s.gemm_omp_schedule == "dynamic" else "even")],
+              bt * mg * pixels * k_total)
+    ctx.info.update(form="direct GEMM", micro_kernel=f"{uk.mr}x{uk.nr}", mc=blk.mc, nc=blk.nc,
+                    kc=blk.kc, tasks=tasks, grid=f"{len(grid.phases)}x{grid.hq}x{grid.wq}")
+
+
+def _epilogue(ctx: StageCtx, w: Window, grid: PhaseGrid, ops: ConvOperands, tile: str,
+              ldc: int, block: tuple[Expr, Expr, Expr], start: tuple[Expr, Expr],
+              uk: MicroKernel, mg: int, group: int) -> ir.Loop:
+    """The micro-tile's valid pixels through the fused epilogue: per channel, the grid rows the
+    tile's pixels [j_lo, j_lo + nr) touch, and in each the columns below ow."""
+    out = ctx.out()
+    (oh, ow), wq = w.out_size, grid.wq
+    b, i0, j0 = block
+    i_lo, j_lo = start
+    n, g = floordiv(b, group), sub(b, mul(floordiv(b, group), group))
+    i, oy, ox = ctx.var("i", mg), ctx.var("y", oh), ctx.var("x", ow)
+    j_hi = add(j_lo, uk.nr)
+    y_lo = floordiv(j_lo, wq)
+    y_hi = imin(floordiv(add(j_hi, wq - 1), wq), iconst(oh))
+    x_lo = imax(sub(j_lo, mul(oy, wq)), iconst(0))
+    x_hi = imin(sub(j_hi, mul(oy, wq)), iconst(ow))
+    m = add(mul(g, mg), i)
+    slot = add(mul(sub(i, i0), ldc), sub(add(mul(oy, wq), ox), j0))
+    total = array_load(tile, ops.acc_dtype, slot)
+    stores = ctx.results({0: (Index(out.shape, dims=[n, m, oy, ox]), ops.finish(total, m))})
+    columns = ir.Loop(ox, x_lo, x_hi, stores, simd=True)
+    return ir.Loop(i, i_lo, imin(add(i_lo, uk.mr), iconst(mg)),
+                   [ir.Loop(oy, y_lo, y_hi, [columns])])
+
+
+PLANE_BYTES = 1 << 18
+REGISTERS = 32  # vector registers on AVX-512 and NEON (AVX2 has 16: it spills a little sooner)  # a depthwise plane's padded copy and sums live on the stack up to this
+
+
+def depthwise_plane_applies(ctx: StageCtx, w: Window, x_channels: int, group: int,
+                            acc_dtype: str) -> bool:
+    """A 2-D float conv whose output channels each read one input channel, with planes small
+    enough for the stack."""
+    if len(w.kernel) != 2 or x_channels // group != 1 or acc_dtype not in ("float32", "float64"):
+        return False
+    grid, _ = _phase_grid(w, 1, 1)
+    itemsize = 4 if acc_dtype == "float32" else 8
+    return (grid.segment + w.out_size[0] * grid.wq) * itemsize <= PLANE_BYTES
+
+
+def depthwise_plane(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: ConvOperands,
+                    group: int, in_shape: tuple[int, ...]) -> None:
+    """A depthwise conv (any channel multiplier), parallel over (image, output channel) planes.
+    Per plane, the input plane is copied zero-padded and split into stride phases on the stack
+    (as `direct_conv`'s copy, one channel), so every tap of every output pixel reads inside it:
+    one vector loop over the pixels of the grid, j = oy·wq + ox, sums all kh·kw taps at
+    j + offset(tap) with no border cases and contiguous reads at any stride. The fused epilogue
+    then runs over each output row's ow valid pixels."""
+    out, dtype = ctx.out(), ops.acc_dtype
+    batch, m_total = out.shape[0], out.shape[1]
+    mg = m_total // group
+    (oh, ow), (kh, kw) = w.out_size, w.kernel
+    (sh, sw), (ph, pw), (ih, iw) = w.strides, w.pad_begin, w.in_size
+    grid, offsets = _phase_grid(w, 1, 1)
+    p = ctx.var("p", batch * m_total)
+    n, m = Index((batch, m_total), flat=p).dims
+    channel = floordiv(m, mg)
+    plane, sums = ctx.name("plane"), ctx.name("sums")
+
+    def element(r: Expr, u: Expr, py: int, px: int) -> Expr:
+        y, x = sub(add(mul(r, sh), py), ph), sub(add(mul(u, sw), px), pw)
+        inside = logical_and(logical_and(index_compare("ge", y, 0), index_compare("lt", y, ih)),
+                             logical_and(index_compare("ge", x, 0), index_compare("lt", x, iw)))
+        value = ops.once(Index(in_shape, dims=[n, channel, clamp(y, 0, ih - 1),
+                                                 clamp(x, 0, iw - 1)]))
+        return select(inside, value, const(0, dtype))
+
+    copy: list[ir.Stmt] = []
+    for py in sorted({py for py, _ in grid.phases}):
+        # the column phases of one row phase in one loop: its reads are one contiguous run
+        r, u = ctx.var("r", grid.hq), ctx.var("u", grid.wq)
+        stores = [ir.ArrayStore(plane, add(mul(add(mul(iconst(phase), grid.hq), r), grid.wq), u),
+                                element(r, u, py, px))
+                  for phase, (qy, px) in enumerate(grid.phases) if qy == py]
+        copy.append(ir.Loop(r, iconst(0), iconst(grid.hq),
+                            [ir.Loop(u, iconst(0), iconst(grid.wq), stores, simd=True)]))
+    used = grid.channel_stride
+    if grid.segment > used:
+        t = ctx.var("t", grid.segment - used, used)
+        copy.append(ir.Loop(t, iconst(used), iconst(grid.segment),
+                            [ir.ArrayStore(plane, t, const(0, dtype))]))
+
+    # a window with more taps than half the vector registers would spill its broadcast weights
+    # (a load per tap besides the input's): then one pass over the sums per kernel row
+    passes = [list(range(kh * kw))]
+    if kh * kw > REGISTERS // 2:
+        passes = [list(range(ky * kw, (ky + 1) * kw)) for ky in range(kh)]
+    compute: list[ir.Stmt] = []
+    for number, taps in enumerate(passes):
+        j = ctx.var("j", oh * grid.wq)
+        total = array_load(sums, dtype, j) if number else None
+        for tap in taps:
+            ky, kx = divmod(tap, kw)
+            wv = ops.read_w(Index(w_shape, dims=[m, iconst(0), iconst(ky), iconst(kx)]))
+            term = binary("mul", wv, array_load(plane, dtype, add(j, int(offsets[tap]))))
+            total = term if total is None else binary("add", total, term)
+        compute.append(ir.Loop(j, iconst(0), iconst(oh * grid.wq),
+                               [ir.ArrayStore(sums, j, total)], simd=True))
+
+    oy, ox = ctx.var("y", oh), ctx.var("x", ow)
+    value = ops.finish(array_load(sums, dtype, add(mul(oy, grid.wq), ox)), m)
+    stores = ctx.results({0: (Index(out.shape, dims=[n, m, oy, ox]), value)})
+    epilogue = ir.Loop(oy, iconst(0), iconst(oh),
+                       [ir.Loop(ox, iconst(0), iconst(ow), stores, simd=True)])
+    body = [ir.DeclArray(plane, dtype, grid.segment), ir.DeclArray(sums, dtype, oh * grid.wq),
+            *copy, *compute, epilogue]
+    ctx.stage(f"conv ({ctx.op.id}), depthwise over padded planes",
+              [ir.Loop(p, iconst(0), iconst(batch * m_total), body, parallel=1, grain="chunks")],
+              out.numel * kh * kw)
+    ctx.info.update(form="depthwise planes", grid=f"{len(grid.phases)}x{grid.hq}x{grid.wq}")

@@ -1,0 +1,145 @@
+"""Direct convolutions over the padded, stride-phase-split input (kiln.codegen.ops.conv_direct)
+against onnxruntime: random kernels (stems with 3 input channels and 7×7 windows included),
+strides, dilations, asymmetric pads, groups, batches, and fused prologues and epilogues."""
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from onnx import helper
+
+from kiln import frontend
+from kiln.codegen import generate
+from kiln.target import host_target
+from tests.codegen.harness import check_model, model, plan_for, random_inputs
+
+
+@st.composite
+def direct_cases(draw):
+    """2-D convs with at least 16 output channels per group (the GEMM-sized ones)."""
+    group = draw(st.sampled_from([1, 1, 1, 2]))
+    cin = group * draw(st.sampled_from([1, 3, 5, 8]))
+    cout = group * draw(st.integers(16, 30))
+    kernel = [draw(st.sampled_from([1, 2, 3, 3, 5, 7])) for _ in range(2)]
+    strides = [draw(st.integers(1, 3)) for _ in range(2)]
+    dilations = [draw(st.sampled_from([1, 1, 2])) for _ in range(2)]
+    pads = [draw(st.integers(0, 3)) for _ in range(4)]
+    spatial = []
+    for d in range(2):  # at least one output position per dim
+        reach = (kernel[d] - 1) * dilations[d] + 1
+        spatial.append(max(draw(st.integers(1, 15)), reach - pads[d] - pads[d + 2]))
+    attrs = {"kernel_shape": kernel, "strides": strides, "dilations": dilations, "pads": pads,
+             "group": group}
+    return (draw(st.integers(1, 2)), cin, *spatial), (cout, cin // group, *kernel), attrs
+
+
+@settings(max_examples=25, deadline=None)
+@given(direct_cases(), st.sampled_from(["none", "relu-in", "relu-out", "pad-in"]))
+def test_direct_conv(case, fusion):
+    x_shape, w_shape, attrs = case
+    rng = np.random.default_rng(5)
+    inits = {"w": rng.standard_normal(w_shape).astype(np.float32),
+             "b": rng.standard_normal(w_shape[0]).astype(np.float32),
+             "pads": np.array([0, 0, 1, 2, 0, 0, 2, 1], np.int64)}
+    spec = {"x": (x_shape, "float32")}
+    nodes, conv_in = [], "x"
+    if fusion == "relu-in":  # a prologue the padded copy evaluates once per element
+        nodes.append(helper.make_node("Relu", ["x"], ["xr"]))
+        conv_in = "xr"
+    elif fusion == "pad-in":  # a zero Pad folded into the conv's padding
+        nodes.append(helper.make_node("Pad", ["x", "pads"], ["xp"]))
+        conv_in = "xp"
+    nodes.append(helper.make_node("Conv", [conv_in, "w", "b"], ["c"], **attrs))
+    nodes.append(helper.make_node("Relu" if fusion == "relu-out" else "Identity", ["c"], ["y"]))
+    check_model(model(nodes, spec, ["y"], inits), random_inputs(spec), partitioners=("none", "dnnfusion"))
+
+
+def test_strided_stem_uses_the_direct_kernel():
+    """A 7×7 stride-2 stem with 3 input channels runs as the direct kernel, its copy split into
+    the four stride phases, and matches onnxruntime."""
+    rng = np.random.default_rng(6)
+    spec = {"x": ((1, 3, 32, 30), "float32")}
+    inits = {"w": rng.standard_normal((24, 3, 7, 7)).astype(np.float32)}
+    onnx_model = model([helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[7, 7],
+                                         strides=[2, 2], pads=[3, 3, 3, 3])], spec, ["y"], inits)
+    check_model(onnx_model, random_inputs(spec), partitioners=("none",))
+    graph = frontend.build(onnx_model, {}, "test")
+    kernels = generate(plan_for(graph, "none"), host_target())
+    forms = [info for kernel in kernels for info in kernel.schedule.get("stages", [])]
+    assert any(info.get("form") == "direct GEMM" and info.get("grid", "").startswith("4x")
+               for info in forms), forms
+
+
+@st.composite
+def winograd_cases(draw):
+    """3×3 stride-1 convs with enough 2×2 output tiles for Winograd: odd and even sizes, pads
+    of 0–2 on each side, batches."""
+    cin, cout = draw(st.integers(1, 9)), draw(st.integers(16, 28))
+    pads = [draw(st.integers(0, 2)) for _ in range(4)]
+    spatial = [draw(st.integers(14, 21)) for _ in range(2)]  # ≥ 36 tiles: a panel of 32
+    attrs = {"kernel_shape": [3, 3], "pads": pads}
+    return (draw(st.integers(1, 2)), cin, *spatial), (cout, cin, 3, 3), attrs
+
+
+@settings(max_examples=12, deadline=None)
+@given(winograd_cases(), st.sampled_from(["none", "relu-in", "relu-out"]))
+def test_winograd_conv(case, fusion):
+    x_shape, w_shape, attrs = case
+    rng = np.random.default_rng(7)
+    inits = {"w": rng.standard_normal(w_shape).astype(np.float32),
+             "b": rng.standard_normal(w_shape[0]).astype(np.float32)}
+    spec = {"x": (x_shape, "float32")}
+    nodes, conv_in = [], "x"
+    if fusion == "relu-in":
+        nodes.append(helper.make_node("Relu", ["x"], ["xr"]))
+        conv_in = "xr"
+    nodes.append(helper.make_node("Conv", [conv_in, "w", "b"], ["c"], **attrs))
+    nodes.append(helper.make_node("Relu" if fusion == "relu-out" else "Identity", ["c"], ["y"]))
+    onnx_model = model(nodes, spec, ["y"], inits)
+    check_model(onnx_model, random_inputs(spec), partitioners=("none", "dnnfusion"))
+    assert "Winograd" in _forms(onnx_model)
+
+
+def _forms(onnx_model) -> str:
+    graph = frontend.build(onnx_model, {}, "test")
+    kernels = generate(plan_for(graph, "none"), host_target())
+    return " ".join(str(info.get("form")) for kernel in kernels
+                    for info in kernel.schedule.get("stages", []))
+
+
+@st.composite
+def depthwise_plane_cases(draw):
+    """Depthwise convs up to 7×7 (ConvNeXt's), any stride, dilation, pads and multiplier."""
+    channels, multiplier = draw(st.integers(1, 4)), draw(st.sampled_from([1, 1, 2]))
+    kernel = [draw(st.sampled_from([1, 3, 5, 7])) for _ in range(2)]
+    strides = [draw(st.integers(1, 3)) for _ in range(2)]
+    dilations = [draw(st.sampled_from([1, 1, 2])) for _ in range(2)]
+    pads = [draw(st.integers(0, 3)) for _ in range(4)]
+    spatial = []
+    for d in range(2):
+        reach = (kernel[d] - 1) * dilations[d] + 1
+        spatial.append(max(draw(st.integers(1, 20)), reach - pads[d] - pads[d + 2]))
+    attrs = {"kernel_shape": kernel, "strides": strides, "dilations": dilations, "pads": pads,
+             "group": channels}
+    return ((draw(st.integers(1, 2)), channels, *spatial), (channels * multiplier, 1, *kernel),
+            attrs)
+
+
+@settings(max_examples=20, deadline=None)
+@given(depthwise_plane_cases(), st.sampled_from(["none", "relu-in", "relu-out"]))
+def test_depthwise_planes(case, fusion):
+    x_shape, w_shape, attrs = case
+    rng = np.random.default_rng(8)
+    inits = {"w": rng.standard_normal(w_shape).astype(np.float32),
+             "b": rng.standard_normal(w_shape[0]).astype(np.float32)}
+    spec = {"x": (x_shape, "float32")}
+    nodes, conv_in = [], "x"
+    if fusion == "relu-in":
+        nodes.append(helper.make_node("Relu", ["x"], ["xr"]))
+        conv_in = "xr"
+    nodes.append(helper.make_node("Conv", [conv_in, "w", "b"], ["c"], **attrs))
+    nodes.append(helper.make_node("Relu" if fusion == "relu-out" else "Identity", ["c"], ["y"]))
+    onnx_model = model(nodes, spec, ["y"], inits)
+    check_model(onnx_model, random_inputs(spec), partitioners=("none", "dnnfusion"))
+    if attrs["strides"] == [1, 1] and attrs["group"] > 1:  # one channel, 1×1: a matrix product
+        assert "depthwise planes" in _forms(onnx_model)
