@@ -1,0 +1,348 @@
+"""GraphTurbo's kernel generation (§4): a stage of several layers run instance by instance, by
+loop fusion and buffer stitching.
+
+The partitioner (`kiln.plan.graphturbo`) cuts a stage's rows into instances and says which
+window of rows of each kept tensor an instance computes (`kiln.plan.scopes`: the instance's own
+rows plus the halo rows a convolution further on reads). The kernel is one parallel loop over
+(image, instance); each iteration runs every layer of the stage for its rows, in op order:
+
+* a convolution computes its window of output rows: a 1×1 convolution as a GEMM over the
+  window's pixels with the backend's register-blocked micro-kernel (weights packed at compile
+  time, the window's rows read in place as the B operand), any other (depthwise 3×3, strided) as
+  direct loops whose taps narrow to the valid input rows and columns;
+* an elementwise chain (bias, Clip, SiLU, residual Add, ...) is evaluated inside the expression
+  that stores the next kept tensor or output (register scope, DNNFusion's data-flow-tree walk);
+* intermediates live in window buffers of the instance — one stack arena per iteration, laid out
+  by the plan's allocation (L1 region, L2 region, spilled region; buffers whose liveness does
+  not overlap share bytes) — never in full tensors: buffer stitching. Only the stage's outputs
+  are written to memory, each instance its own rows.
+
+A MobileNetV2 inverted residual (1×1 expand → 3×3 depthwise → 1×1 project, + the block input)
+thus runs over row tiles whose expanded intermediate stays in the core's L2.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from kiln.codegen import ir
+from kiln.codegen.contexts import NeedsBuffer, NotFusable
+from kiln.codegen.expr import (
+    Expr,
+    acc,
+    add,
+    array_load,
+    binary,
+    const,
+    floordiv,
+    iconst,
+    imax,
+    imin,
+    load,
+    modulo,
+    mul,
+    sub,
+    var,
+)
+from kiln.codegen.indexing import Index
+from kiln.codegen.lower import Builder, BlockLowering, LoweredBlock, Names
+from kiln.codegen.microkernel import tile_for
+from kiln.codegen.ops.conv import ceildiv, valid_taps, window
+from kiln.codegen.schedule import Schedule
+from kiln.ecg import Graph, Op, Tensor
+from kiln.plan import Block
+from kiln.plan.scopes import SCOPES, Window, is_row_conv, kept_tensors
+
+MAX_ARENA_BYTES = 4 << 20  # an instance's buffers live on its thread's stack
+ARENA = "tile"
+ALIGN = 64
+
+
+class NotTileable(Exception):
+    """The stage has a form this generator does not produce: the block lowers as usual."""
+
+
+class _WindowBuilder(Builder):
+    """Element expressions inside one instance: kept tensors are read from their windows."""
+
+    def __init__(self, low: TiledLowering, computing: str | None = None):
+        super().__init__(low)
+        self.tiled = low
+        self.computing = computing  # the kept tensor being computed: from its producer
+
+    def _value(self, t: Tensor, index: Index) -> Expr:
+        if t.id in self.tiled.buffers and t.id != self.computing:
+            return array_load(ARENA, t.dtype, self.tiled.window_offset(t.id, index.dims))
+        return super()._value(t, index)
+
+
+class TiledLowering(BlockLowering):
+    def __init__(self, graph: Graph, block: Block, symbol: str, schedule: Schedule, stage):
+        super().__init__(graph, block, symbol, schedule)
+        self.stage = stage
+        self.windows: dict[str, Window] = {w.tensor: w for w in stage.windows}
+
+    def lower(self) -> LoweredBlock:
+        graph, block = self.graph, self.block
+        self.names = Names()
+        self.ready = {t for t in block.inputs if not graph.tensors[t].is_constant}
+        self.stages, self.stage_info, self.scratch_buffers = [], [], []
+        self.scratch_top, self.derived, self.assigned = 0, {}, set()
+        kept = kept_tensors(graph, block.op_ids, block.outputs)
+        self.buffers = self._layout(kept)
+        out = graph.tensors[graph.op_by_id[block.op_ids[-1]].outputs[0]]
+        batch, parts = out.shape[0], self.stage.split.parts
+        p = var(self.names("p"), batch * parts)
+        self.image, self.part = floordiv(p, parts), modulo(p, parts)
+        body: list[ir.Stmt] = [ir.DeclArray(ARENA, "float32", self.arena_floats)]
+        for op in self.ops:
+            for t in op.outputs:
+                if t in self.buffers:
+                    body += self._compute(op, t, self.window_rows(t), into_window=True)
+                if t in block.outputs:
+                    body += self._store_output(op, t)
+        loop = ir.Loop(p, iconst(0), iconst(batch * parts), body, parallel=1, grain="one")
+        work = sum(graph.tensors[t].numel for t in block.outputs) * len(self.ops)
+        self.add_stage(f"tiled stage: {len(self.ops)} ops over {parts} row instances", [loop],
+                       work)
+        self.stage_info[-1].update(form="tiled", instances=batch * parts,
+                                   arena_bytes=self.arena_floats * 4)
+        return self._result()
+
+    # --- window buffers --------------------------------------------------------------------
+    def _layout(self, kept: list[str]) -> dict[str, int]:
+        """Float offset of each kept tensor's window in the arena: the plan's offsets within
+        each scope's region, regions one after another (L1, L2, spilled)."""
+        region_end: dict[str, int] = {}
+        for b in self.stage.buffers:
+            region_end[b.scope] = max(region_end.get(b.scope, 0), b.offset + b.nbytes)
+        base, start = 0, {}
+        for scope in SCOPES:
+            start[scope] = base
+            base += -(-region_end.get(scope, 0) // ALIGN) * ALIGN
+        if base > MAX_ARENA_BYTES:
+            raise NotTileable(f"instance buffers of {base} bytes")
+        offsets = {}
+        for t in kept:
+            placed = self.stage.placed(t)
+            if placed is None or t not in self.windows:
+                raise NotTileable(f"{t} has no window")
+            offsets[t] = (start[placed.scope] + placed.offset) // 4
+        self.arena_floats = base // 4 + 64  # a micro-kernel may read one panel past a window
+        return offsets
+
+    def window_start(self, tensor: str) -> Expr:
+        w = self.windows[tensor]
+        return imin(imax(add(mul(self.part, w.step), w.lo), 0), w.height - w.rows)
+
+    def window_rows(self, tensor: str) -> tuple[Expr, int]:
+        return self.window_start(tensor), self.windows[tensor].rows
+
+    def own_rows(self, tensor: str) -> tuple[Expr, int]:
+        step = self.graph.tensors[tensor].shape[2] // self.stage.split.parts
+        return mul(self.part, step), step
+
+    def window_offset(self, tensor: str, dims) -> Expr:
+        _, c, y, x = dims
+        shape = self.graph.tensors[tensor].shape
+        rows = self.windows[tensor].rows
+        return add(self.buffers[tensor], mul(add(mul(c, rows), sub(y, self.window_start(tensor))),
+                                             shape[3]), x)
+
+    def builder(self, provided=None) -> Builder:
+        return _WindowBuilder(self)
+
+    # --- one kept tensor or output over rows [a, a + n) --------------------------------------
+    def _store_output(self, op: Op, tensor: str) -> list[ir.Stmt]:
+        rows = self.own_rows(tensor)
+        if tensor in self.buffers:
+            return self._elementwise(tensor, rows, into_window=False)
+        return self._compute(op, tensor, rows, into_window=False)
+
+    def _compute(self, op: Op, tensor: str, rows: tuple[Expr, int], into_window: bool
+                 ) -> list[ir.Stmt]:
+        if is_row_conv(self.graph, op):
+            return self._conv(op, rows, into_window)
+        return self._elementwise(tensor, rows, into_window)
+
+    def _dest(self, tensor: str, into_window: bool, m: Expr, y: Expr, x: Expr,
+              value: Expr) -> ir.Stmt:
+        if into_window:
+            return ir.ArrayStore(ARENA, self.window_offset(tensor, (None, m, y, x)), value)
+        shape = self.graph.tensors[tensor].shape
+        index = Index(shape, dims=[self.image, m, y, x])
+        return ir.Store(tensor, index.flat, value)
+
+    def _elementwise(self, tensor: str, rows: tuple[Expr, int], into_window: bool
+                     ) -> list[ir.Stmt]:
+        _, channels, _, width = self.graph.tensors[tensor].shape
+        a, n = rows
+        c, r, x = (var(self.names(k), e) for k, e in (("c", channels), ("y", n), ("x", width)))
+        y = add(a, r)
+        index = Index(self.graph.tensors[tensor].shape, dims=[self.image, c, y, x])
+        try:
+            value = _WindowBuilder(self, tensor if into_window else None).value(tensor, index)
+        except (NotFusable, NeedsBuffer) as refused:
+            raise NotTileable(f"{tensor}: {refused}") from None
+        store = self._dest(tensor, into_window, c, y, x, value)
+        return [ir.Loop(c, iconst(0), iconst(channels),
+                        [ir.Loop(r, iconst(0), iconst(n),
+                                 [ir.Loop(x, iconst(0), iconst(width), [store], simd=True)])])]
+
+    # --- convolutions ------------------------------------------------------------------------
+    def _read_x(self, op: Op, c: Expr, y: Expr, x: Expr) -> Expr:
+        t = self.graph.tensors[op.inputs[0]]
+        if t.id in self.buffers:
+            return array_load(ARENA, t.dtype, self.window_offset(t.id, (None, c, y, x)))
+        if t.id not in self.ready:
+            raise NotTileable(f"convolution input {t.id} is neither kept nor an input")
+        return load(t.id, t.dtype, Index(t.shape, dims=[self.image, c, y, x]).flat)
+
+    def _bias(self, op: Op, m: Expr) -> Expr | None:
+        if len(op.inputs) < 3 or op.inputs[2] is None:
+            return None
+        b = self.graph.tensors[op.inputs[2]]
+        return self.constant_value(b, Index(b.shape, dims=[m]))
+
+    def _conv(self, op: Op, rows: tuple[Expr, int], into_window: bool) -> list[ir.Stmt]:
+        x_shape = self.graph.tensors[op.inputs[0]].shape
+        w_t = self.graph.tensors[op.inputs[1]]
+        out = self.graph.tensors[op.outputs[0]]
+        geometry = window(op, x_shape[2:], out.shape[2:], tuple(w_t.shape[2:]))
+        group = op.attrs.get("group", 1)
+        pointwise = (geometry.kernel == (1, 1) and geometry.strides == (1, 1) and group == 1
+                     and not any(geometry.pad_begin) and not any(geometry.pad_end))
+        if pointwise and out.shape[3] == x_shape[3]:
+            return self._pointwise(op, rows, into_window)
+        return self._direct(op, geometry, group, rows, into_window)
+
+    def _pointwise(self, op: Op, rows: tuple[Expr, int], into_window: bool) -> list[ir.Stmt]:
+        """out[m, pixels] = W[m, :] · X[:, pixels] + bias over the rows' pixels, which lie
+        contiguously in X's window (or tensor) and in the destination."""
+        x_t, out = self.graph.tensors[op.inputs[0]], self.graph.tensors[op.outputs[0]]
+        channels, width = x_t.shape[1], x_t.shape[3]
+        m_total = out.shape[1]
+        a, n = rows
+        pixels = n * width
+        uk = tile_for((), "float32", self.schedule.vector_bytes, self.schedule.gemm_mr,
+                      self.schedule.gemm_nr)
+        weights = self.graph.tensors[op.inputs[1]].data.reshape(m_total, channels)
+        panels = -(-m_total // uk.mr)
+        packed = np.zeros((panels * uk.mr, channels), dtype=np.float32)
+        packed[:m_total] = weights
+        packed = packed.reshape(panels, uk.mr, channels).transpose(0, 2, 1)
+        a_name = self.derived_constant(np.ascontiguousarray(packed))
+        if x_t.id in self.buffers:
+            b_name, ldb = ARENA, self.windows[x_t.id].rows * width
+            b_base = add(self.buffers[x_t.id], mul(sub(a, self.window_start(x_t.id)), width))
+        elif x_t.id in self.ready:
+            b_name, ldb = x_t.id, x_t.shape[2] * width
+            b_base = add(mul(self.image, channels * ldb), mul(a, width))
+        else:
+            raise NotTileable(f"convolution input {x_t.id} is neither kept nor an input")
+        ct = self.names("ct")
+        mp, jp = var(self.names("mp"), panels), var(self.names("jp"), max(pixels // uk.nr, 1))
+        m0, j0 = mul(mp, uk.mr), mul(jp, uk.nr)
+        r, col = var(self.names("r"), uk.mr), var(self.names("j"), uk.nr)
+        m = add(m0, r)
+        j = add(j0, col)
+        value = array_load(ct, "float32", add(mul(r, uk.nr), col))
+        bias = self._bias(op, m)
+        if bias is not None:
+            value = binary("add", value, bias)
+        y, x = add(a, floordiv(j, width)), sub(j, mul(floordiv(j, width), width))
+        epilogue = ir.Loop(r, iconst(0), imin(iconst(uk.mr), sub(iconst(m_total), m0)),
+                           [ir.Loop(col, iconst(0), iconst(uk.nr),
+                                    [self._dest(op.outputs[0], into_window, m, y, x, value)],
+                                    simd=True)])
+        call = ir.MicroKernelCall(uk, iconst(channels), a_name, mul(mp, channels * uk.mr), b_name,
+                                  add(b_base, j0), ldb, ct, iconst(0), uk.nr, iconst(0))
+        body: list[ir.Stmt] = [ir.DeclArray(ct, "float32", uk.mr * uk.nr)]
+        if pixels >= uk.nr:
+            body.append(ir.Loop(jp, iconst(0), iconst(pixels // uk.nr), [call, epilogue]))
+        tail = pixels - pixels // uk.nr * uk.nr
+        if tail:
+            body += self._pointwise_tail(op, rows, into_window, m0, uk.mr, pixels - tail, tail)
+        return [ir.Loop(mp, iconst(0), iconst(panels), body)]
+
+    def _pointwise_tail(self, op: Op, rows, into_window: bool, m0: Expr, mr: int, first: int,
+                        count: int) -> list[ir.Stmt]:
+        """The last pixels that do not fill a micro-kernel panel, as dot products."""
+        x_t, out = self.graph.tensors[op.inputs[0]], self.graph.tensors[op.outputs[0]]
+        channels, width, m_total = x_t.shape[1], x_t.shape[3], out.shape[1]
+        a, _ = rows
+        w_t = self.graph.tensors[op.inputs[1]]
+        r, q, k = (var(self.names(n), e) for n, e in (("r", mr), ("q", count), ("k", channels)))
+        m, j = add(m0, r), add(q, first)
+        y, x = add(a, floordiv(j, width)), sub(j, mul(floordiv(j, width), width))
+        total = acc(self.names("acc"), "float32")
+        w = self.constant_value(w_t, Index(w_t.shape, dims=[m, k, iconst(0), iconst(0)]))
+        update = ir.Assign(total, binary("add", total, binary("mul", w, self._read_x(op, k, y, x))))
+        value = total
+        bias = self._bias(op, m)
+        if bias is not None:
+            value = binary("add", total, bias)
+        inner = [ir.DeclAcc(total, const(0, "float32")),
+                 ir.Loop(k, iconst(0), iconst(channels), [update]),
+                 self._dest(op.outputs[0], into_window, m, y, x, value)]
+        return [ir.Loop(r, iconst(0), imin(iconst(mr), sub(iconst(m_total), m0)),
+                        [ir.Loop(q, iconst(0), iconst(count), inner)])]
+
+    def _direct(self, op: Op, w, group: int, rows: tuple[Expr, int], into_window: bool
+                ) -> list[ir.Stmt]:
+        """Per output channel and row: a row of accumulators, summed over the input channels of
+        the group and the valid taps, the inner loop vectorised over output columns."""
+        if len(w.kernel) != 2:
+            raise NotTileable("not a 2-D convolution")
+        w_t, out = self.graph.tensors[op.inputs[1]], self.graph.tensors[op.outputs[0]]
+        channels = self.graph.tensors[op.inputs[0]].shape[1]
+        m_total, width = out.shape[1], out.shape[3]
+        cg, mg = channels // group, m_total // group
+        a, n = rows
+        m, r = var(self.names("m"), m_total), var(self.names("y"), n)
+        y = add(a, r)
+        row = self.names("row")
+        ci, ky, kx = (var(self.names(k), e) for k, e in (("c", cg), ("ky", w.kernel[0]),
+                                                          ("kx", w.kernel[1])))
+        col = var(self.names("x"), width)
+        lo_num = sub(iconst(w.pad_begin[1]), mul(kx, w.dilations[1]))
+        col_lo = imax(ceildiv(lo_num, w.strides[1]), 0)
+        col_hi = imin(ceildiv(add(lo_num, w.in_size[1]), w.strides[1]), width)
+        iy = add(mul(y, w.strides[0]), mul(ky, w.dilations[0]), -w.pad_begin[0])
+        ix = add(mul(col, w.strides[1]), mul(kx, w.dilations[1]), -w.pad_begin[1])
+        c = add(mul(floordiv(m, mg), cg), ci)
+        weight = self.constant_value(w_t, Index(w_t.shape, dims=[m, ci, ky, kx]))
+        current = array_load(row, "float32", col)
+        update = ir.ArrayStore(row, col, binary("add", current,
+                                                binary("mul", weight, self._read_x(op, c, iy, ix))))
+        taps_lo, taps_hi = valid_taps(w, 0, y)
+        reduction = ir.Loop(ci, iconst(0), iconst(cg), [
+            ir.Loop(ky, taps_lo, taps_hi, [
+                ir.Loop(kx, iconst(0), iconst(w.kernel[1]), [
+                    ir.Loop(col, col_lo, col_hi, [update], simd=True)])])])
+        col2 = var(self.names("x"), width)
+        value = array_load(row, "float32", col2)
+        bias = self._bias(op, m)
+        if bias is not None:
+            value = binary("add", value, bias)
+        zero = ir.Loop(col2, iconst(0), iconst(width),
+                       [ir.ArrayStore(row, col2, const(0, "float32"))], simd=True)
+        store = ir.Loop(col2, iconst(0), iconst(width),
+                        [self._dest(op.outputs[0], into_window, m, y, col2, value)], simd=True)
+        return [ir.Loop(m, iconst(0), iconst(m_total),
+                        [ir.Loop(r, iconst(0), iconst(n),
+                                 [ir.DeclArray(row, "float32", width), zero, reduction, store])])]
+
+
+def lower_tiled(graph: Graph, block: Block, symbol: str, schedule: Schedule, stage
+                ) -> LoweredBlock | None:
+    """The block as one tiled stage, or None when its plan does not ask for one or the stage
+    has a form this generator does not produce (the usual lowering then runs)."""
+    if stage is None or not getattr(stage, "tiled", False):
+        return None
+    try:
+        return TiledLowering(graph, block, symbol, schedule, stage).lower()
+    except NotTileable:
+        return None
+
