@@ -27,7 +27,7 @@ import math
 import numpy as np
 
 from kiln.codegen import ir
-from kiln.codegen.contexts import NeedsBuffer, NotFusable
+from kiln.codegen.contexts import NeedsBuffer, NotFusable, Provided
 from kiln.codegen.expr import (
     Expr,
     acc,
@@ -38,6 +38,7 @@ from kiln.codegen.expr import (
     floordiv,
     iconst,
     imax,
+    local,
     imin,
     load,
     modulo,
@@ -52,7 +53,7 @@ from kiln.codegen.ops.conv import ceildiv, valid_taps, window
 from kiln.codegen.schedule import Schedule
 from kiln.ecg import Graph, Op, Tensor
 from kiln.plan import Block
-from kiln.plan.scopes import SCOPES, Window, is_row_conv, kept_tensors
+from kiln.plan.scopes import SCOPES, Window, epilogue_target, is_row_conv, kept_tensors
 
 MAX_ARENA_BYTES = 4 << 20  # an instance's buffers live on its thread's stack
 ARENA = "tile"
@@ -66,8 +67,9 @@ class NotTileable(Exception):
 class _WindowBuilder(Builder):
     """Element expressions inside one instance: kept tensors are read from their windows."""
 
-    def __init__(self, low: TiledLowering, computing: str | None = None):
-        super().__init__(low)
+    def __init__(self, low: TiledLowering, computing: str | None = None,
+                 provided: dict[str, Provided] | None = None):
+        super().__init__(low, provided)
         self.tiled = low
         self.computing = computing  # the kept tensor being computed: from its producer
 
@@ -96,12 +98,17 @@ class TiledLowering(BlockLowering):
         p = var(self.names("p"), batch * parts)
         self.image, self.part = floordiv(p, parts), modulo(p, parts)
         body: list[ir.Stmt] = [ir.DeclArray(ARENA, "float32", self.arena_floats)]
+        computed: set[str] = set()
         for op in self.ops:
+            if is_row_conv(graph, op):
+                body += self._conv_layer(op, computed)
             for t in op.outputs:
-                if t in self.buffers:
-                    body += self._compute(op, t, self.window_rows(t), into_window=True)
-                if t in block.outputs:
-                    body += self._store_output(op, t)
+                if t in self.buffers and t not in computed:
+                    body += self._elementwise(t, self.window_rows(t), into_window=True)
+                    computed.add(t)
+                if t in block.outputs and (t in self.buffers or t not in computed):
+                    body += self._elementwise(t, self.own_rows(t),
+                                              into_window=False)
         loop = ir.Loop(p, iconst(0), iconst(batch * parts), body, parallel=1, grain="one")
         work = sum(graph.tensors[t].numel for t in block.outputs) * len(self.ops)
         self.add_stage(f"tiled stage: {len(self.ops)} ops over {parts} row instances", [loop],
@@ -153,18 +160,36 @@ class TiledLowering(BlockLowering):
     def builder(self, provided=None) -> Builder:
         return _WindowBuilder(self)
 
-    # --- one kept tensor or output over rows [a, a + n) --------------------------------------
-    def _store_output(self, op: Op, tensor: str) -> list[ir.Stmt]:
-        rows = self.own_rows(tensor)
-        if tensor in self.buffers:
-            return self._elementwise(tensor, rows, into_window=False)
-        return self._compute(op, tensor, rows, into_window=False)
+    # --- one layer ---------------------------------------------------------------------------
+    def _conv_layer(self, op: Op, computed: set[str]) -> list[ir.Stmt]:
+        """The convolution over the rows its destination needs: its result's window, or the
+        window (or own rows) of the tensor its elementwise epilogue ends at."""
+        t = op.outputs[0]
+        dest = t
+        if t not in self.buffers and t not in self.block.outputs:
+            dest = epilogue_target(self.graph, self.block.op_ids, self.block.outputs, t)
+            if dest is None:
+                raise NotTileable(f"{t} is read but neither kept nor fused")
+        computed.add(dest)
+        if dest in self.buffers:
+            return self._conv(op, dest, self.window_rows(dest), into_window=True)
+        return self._conv(op, dest, self.own_rows(dest), into_window=False)
 
-    def _compute(self, op: Op, tensor: str, rows: tuple[Expr, int], into_window: bool
-                 ) -> list[ir.Stmt]:
-        if is_row_conv(self.graph, op):
-            return self._conv(op, rows, into_window)
-        return self._elementwise(tensor, rows, into_window)
+    def _conv_result(self, op: Op, dest: str, into_window: bool, m: Expr, y: Expr, x: Expr,
+                     value: Expr) -> list[ir.Stmt]:
+        """Store the convolution's result at (m, y, x), or the epilogue tensor computed from it."""
+        t = op.outputs[0]
+        if dest == t:
+            return [self._dest(t, into_window, m, y, x, value)]
+        held = local(self.names("x"), value.dtype)
+        shape = self.graph.tensors[t].shape
+        provided = {t: Provided(Index(shape, dims=[self.image, m, y, x]).flat, held)}
+        index = Index(self.graph.tensors[dest].shape, dims=[self.image, m, y, x])
+        try:
+            result = _WindowBuilder(self, dest, provided).value(dest, index)
+        except (NotFusable, NeedsBuffer) as refused:
+            raise NotTileable(f"epilogue {dest}: {refused}") from None
+        return [ir.Let(held, value), self._dest(dest, into_window, m, y, x, result)]
 
     def _dest(self, tensor: str, into_window: bool, m: Expr, y: Expr, x: Expr,
               value: Expr) -> ir.Stmt:
@@ -205,7 +230,8 @@ class TiledLowering(BlockLowering):
         b = self.graph.tensors[op.inputs[2]]
         return self.constant_value(b, Index(b.shape, dims=[m]))
 
-    def _conv(self, op: Op, rows: tuple[Expr, int], into_window: bool) -> list[ir.Stmt]:
+    def _conv(self, op: Op, dest: str, rows: tuple[Expr, int], into_window: bool
+              ) -> list[ir.Stmt]:
         x_shape = self.graph.tensors[op.inputs[0]].shape
         w_t = self.graph.tensors[op.inputs[1]]
         out = self.graph.tensors[op.outputs[0]]
@@ -214,10 +240,11 @@ class TiledLowering(BlockLowering):
         pointwise = (geometry.kernel == (1, 1) and geometry.strides == (1, 1) and group == 1
                      and not any(geometry.pad_begin) and not any(geometry.pad_end))
         if pointwise and out.shape[3] == x_shape[3]:
-            return self._pointwise(op, rows, into_window)
-        return self._direct(op, geometry, group, rows, into_window)
+            return self._pointwise(op, dest, rows, into_window)
+        return self._direct(op, dest, geometry, group, rows, into_window)
 
-    def _pointwise(self, op: Op, rows: tuple[Expr, int], into_window: bool) -> list[ir.Stmt]:
+    def _pointwise(self, op: Op, dest: str, rows: tuple[Expr, int], into_window: bool
+                   ) -> list[ir.Stmt]:
         """out[m, pixels] = W[m, :] · X[:, pixels] + bias over the rows' pixels, which lie
         contiguously in X's window (or tensor) and in the destination."""
         x_t, out = self.graph.tensors[op.inputs[0]], self.graph.tensors[op.outputs[0]]
@@ -254,7 +281,7 @@ class TiledLowering(BlockLowering):
         y, x = add(a, floordiv(j, width)), sub(j, mul(floordiv(j, width), width))
         epilogue = ir.Loop(r, iconst(0), imin(iconst(uk.mr), sub(iconst(m_total), m0)),
                            [ir.Loop(col, iconst(0), iconst(uk.nr),
-                                    [self._dest(op.outputs[0], into_window, m, y, x, value)],
+                                    self._conv_result(op, dest, into_window, m, y, x, value),
                                     simd=True)])
         call = ir.MicroKernelCall(uk, iconst(channels), a_name, mul(mp, channels * uk.mr), b_name,
                                   add(b_base, j0), ldb, ct, iconst(0), uk.nr, iconst(0))
@@ -263,11 +290,12 @@ class TiledLowering(BlockLowering):
             body.append(ir.Loop(jp, iconst(0), iconst(pixels // uk.nr), [call, epilogue]))
         tail = pixels - pixels // uk.nr * uk.nr
         if tail:
-            body += self._pointwise_tail(op, rows, into_window, m0, uk.mr, pixels - tail, tail)
+            body += self._pointwise_tail(op, dest, rows, into_window, m0, uk.mr, pixels - tail,
+                                         tail)
         return [ir.Loop(mp, iconst(0), iconst(panels), body)]
 
-    def _pointwise_tail(self, op: Op, rows, into_window: bool, m0: Expr, mr: int, first: int,
-                        count: int) -> list[ir.Stmt]:
+    def _pointwise_tail(self, op: Op, dest: str, rows, into_window: bool, m0: Expr, mr: int,
+                        first: int, count: int) -> list[ir.Stmt]:
         """The last pixels that do not fill a micro-kernel panel, as dot products."""
         x_t, out = self.graph.tensors[op.inputs[0]], self.graph.tensors[op.outputs[0]]
         channels, width, m_total = x_t.shape[1], x_t.shape[3], out.shape[1]
@@ -285,12 +313,12 @@ class TiledLowering(BlockLowering):
             value = binary("add", total, bias)
         inner = [ir.DeclAcc(total, const(0, "float32")),
                  ir.Loop(k, iconst(0), iconst(channels), [update]),
-                 self._dest(op.outputs[0], into_window, m, y, x, value)]
+                 *self._conv_result(op, dest, into_window, m, y, x, value)]
         return [ir.Loop(r, iconst(0), imin(iconst(mr), sub(iconst(m_total), m0)),
                         [ir.Loop(q, iconst(0), iconst(count), inner)])]
 
-    def _direct(self, op: Op, w, group: int, rows: tuple[Expr, int], into_window: bool
-                ) -> list[ir.Stmt]:
+    def _direct(self, op: Op, dest: str, w, group: int, rows: tuple[Expr, int],
+                into_window: bool) -> list[ir.Stmt]:
         """Per output channel and row: a row of accumulators, summed over the input channels of
         the group and the valid taps, the inner loop vectorised over output columns."""
         if len(w.kernel) != 2:
@@ -329,7 +357,7 @@ class TiledLowering(BlockLowering):
         zero = ir.Loop(col2, iconst(0), iconst(width),
                        [ir.ArrayStore(row, col2, const(0, "float32"))], simd=True)
         store = ir.Loop(col2, iconst(0), iconst(width),
-                        [self._dest(op.outputs[0], into_window, m, y, col2, value)], simd=True)
+                        self._conv_result(op, dest, into_window, m, y, col2, value), simd=True)
         return [ir.Loop(m, iconst(0), iconst(m_total),
                         [ir.Loop(r, iconst(0), iconst(n),
                                  [ir.DeclArray(row, "float32", width), zero, reduction, store])])]

@@ -517,7 +517,7 @@ def stage_plan(graph: Graph, block_id: str, op_ids: tuple[str, ...], outputs: tu
             scopes[t] = _whole_scope(graph, t, hw)
         return StagePlan(block_id, split, peak, count, scopes=scopes)
     kept = kept_tensors(graph, op_ids, outputs)
-    live = kept_liveness(graph, op_ids, kept)
+    live = kept_liveness(graph, op_ids, outputs, kept)
     buffers = [(t, _window_bytes(graph, windows[t]), *live[t]) for t in kept]
     placed = allocate(buffers, hw.capacities)
     scopes |= {t: "register" for t in internal}

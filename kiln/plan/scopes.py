@@ -145,30 +145,80 @@ def row_windows(graph: Graph, op_ids: Sequence[str], outputs: Sequence[str], par
     return windows
 
 
-def kept_tensors(graph: Graph, op_ids: Sequence[str], outputs: Sequence[str]) -> list[str]:
-    """The tensors a row-tiled stage keeps in window buffers, in op order: every convolution's
-    result the stage reads again and every input a convolution reads from inside the stage, and outputs the stage also
-    reads itself. The other tensors of the stage are computed inside expressions (registers)."""
+def epilogue_target(graph: Graph, op_ids: Sequence[str], outputs: Sequence[str], tensor: str
+                    ) -> str | None:
+    """The tensor a convolution's result flows into through a chain of elementwise ops, each
+    the only reader of the one before, when the chain ends at a tensor the stage keeps or
+    stores: the convolution then stores that tensor, the chain evaluated in registers on each
+    result (loop fusion within a layer, §4.1). None when the result is read otherwise."""
     members = set(op_ids)
-    kept: set[str] = set()
-    for op in (graph.op_by_id[i] for i in op_ids):
-        if is_row_conv(graph, op):
-            if any(c.id in members for c in graph.consumers(op.outputs[0])):
-                kept.add(op.outputs[0])
-            producer = graph.producer(op.inputs[0])
-            if producer is not None and producer.id in members:
-                kept.add(op.inputs[0])
+    batch = graph.tensors[tensor].shape[0]
+    current = tensor
+    while current not in outputs:
+        readers = [c for c in graph.consumers(current) if c.id in members]
+        if len(readers) != 1 or not is_row_elementwise(graph, readers[0], batch):
+            return None
+        if any(is_row_conv(graph, c) for c in graph.consumers(current)):
+            return None
+        nxt = readers[0].outputs[0]
+        if graph.tensors[nxt].shape != graph.tensors[tensor].shape:
+            return None
+        if not all(_ready_before(graph, members, v, tensor)
+                   for v in graph.activation_inputs(readers[0]) if v != current):
+            return None
+        current = nxt
+        if _read_by_conv(graph, members, current):
+            return current
+    return current if current != tensor else None
+
+
+def _ready_before(graph: Graph, members: set[str], tensor: str, result: str) -> bool:
+    """Is `tensor` in a buffer when the convolution computing `result` runs: an input of the
+    stage, or a kept tensor (one a convolution reads) computed before that convolution?"""
+    producer = graph.producer(tensor)
+    if producer is None or producer.id not in members:
+        return True
+    return (_read_by_conv(graph, members, tensor)
+            and graph.order[producer.id] < graph.order[graph.producer(result).id])
+
+
+def _read_by_conv(graph: Graph, members: set[str], tensor: str) -> bool:
+    return any(c.id in members and is_row_conv(graph, c) for c in graph.consumers(tensor))
+
+
+def kept_tensors(graph: Graph, op_ids: Sequence[str], outputs: Sequence[str]) -> list[str]:
+    """The tensors a row-tiled stage keeps in window buffers, in op order: every input a
+    convolution reads from inside the stage, outputs the stage also reads itself, and
+    convolution results read again other than through an elementwise chain into one of
+    those (`epilogue_target`). The other tensors of the stage are computed inside expressions
+    (registers)."""
+    members = set(op_ids)
+    kept = {t for t in graph.tensors if _read_by_conv(graph, members, t)
+            and (p := graph.producer(t)) is not None and p.id in members}
     kept |= {t for t in outputs if any(c.id in members for c in graph.consumers(t))}
+    for op in (graph.op_by_id[i] for i in op_ids):
+        t = op.outputs[0]
+        if (is_row_conv(graph, op) and t not in kept
+                and any(c.id in members for c in graph.consumers(t))
+                and epilogue_target(graph, op_ids, outputs, t) is None):
+            kept.add(t)
     return [t for i in op_ids for t in graph.op_by_id[i].outputs if t in kept]
 
 
-def kept_liveness(graph: Graph, op_ids: Sequence[str], kept: Sequence[str]
-                  ) -> dict[str, tuple[int, int]]:
-    """(first, last) positions in the stage's op order of each kept tensor: written by its
-    producer, read until the last kept tensor or output computed from it (through the ops
-    evaluated inside expressions) is written."""
+def kept_liveness(graph: Graph, op_ids: Sequence[str], outputs: Sequence[str],
+                  kept: Sequence[str]) -> dict[str, tuple[int, int]]:
+    """(first, last) positions in the stage's op order of each kept tensor: from the op that
+    computes it (the convolution, for the target of its epilogue) until the last kept tensor or
+    output computed from it (through ops evaluated inside expressions) is written."""
     position = {op_id: i for i, op_id in enumerate(op_ids)}
     kept_set = set(kept)
+    written = {t: position[graph.producer(t).id] for t in kept}
+    for op_id in op_ids:
+        op = graph.op_by_id[op_id]
+        if is_row_conv(graph, op):
+            target = epilogue_target(graph, op_ids, outputs, op.outputs[0])
+            if target in written:
+                written[target] = position[op_id]
 
     def last_use(t: str) -> int:
         last = position[graph.producer(t).id]
@@ -180,7 +230,7 @@ def kept_liveness(graph: Graph, op_ids: Sequence[str], kept: Sequence[str]
                        else last_use(out))
         return last
 
-    return {t: (position[graph.producer(t).id], last_use(t)) for t in kept}
+    return {t: (written[t], last_use(t)) for t in kept}
 
 
 # --- §4.3: allocation with reuse, longest-liveness spilling ----------------------------------
