@@ -49,7 +49,7 @@ from kiln.codegen.expr import (
 from kiln.codegen.indexing import Index
 from kiln.codegen.lower import Builder, BlockLowering, LoweredBlock, Names
 from kiln.codegen.microkernel import tile_for
-from kiln.codegen.ops.conv import ceildiv, valid_taps, window
+from kiln.codegen.ops.conv import valid_taps, window
 from kiln.codegen.schedule import Schedule
 from kiln.ecg import Graph, Op, Tensor
 from kiln.plan import Block
@@ -57,6 +57,7 @@ from kiln.plan.scopes import SCOPES, Window, epilogue_target, is_row_conv, kept_
 
 MAX_ARENA_BYTES = 4 << 20  # an instance's buffers live on its thread's stack
 ARENA = "tile"
+TAIL = "tailpanel"  # the zero-padded last pixels of a 1×1 convolution's window
 ALIGN = 64
 
 
@@ -97,6 +98,7 @@ class TiledLowering(BlockLowering):
         batch, parts = out.shape[0], self.stage.split.parts
         p = var(self.names("p"), batch * parts)
         self.image, self.part = floordiv(p, parts), modulo(p, parts)
+        self.tail_floats = 0
         body: list[ir.Stmt] = [ir.DeclArray(ARENA, "float32", self.arena_floats)]
         computed: set[str] = set()
         for op in self.ops:
@@ -109,6 +111,8 @@ class TiledLowering(BlockLowering):
                 if t in block.outputs and (t in self.buffers or t not in computed):
                     body += self._elementwise(t, self.own_rows(t),
                                               into_window=False)
+        if self.tail_floats:
+            body.insert(1, ir.DeclArray(TAIL, "float32", self.tail_floats))
         loop = ir.Loop(p, iconst(0), iconst(batch * parts), body, parallel=1, grain="one")
         work = sum(graph.tensors[t].numel for t in block.outputs) * len(self.ops)
         self.add_stage(f"tiled stage: {len(self.ops)} ops over {parts} row instances", [loop],
@@ -290,32 +294,50 @@ class TiledLowering(BlockLowering):
             body.append(ir.Loop(jp, iconst(0), iconst(pixels // uk.nr), [call, epilogue]))
         tail = pixels - pixels // uk.nr * uk.nr
         if tail:
-            body += self._pointwise_tail(op, dest, rows, into_window, m0, uk.mr, pixels - tail,
-                                         tail)
+            body += self._tail_panel(op, dest, rows, into_window, uk, panels, a_name, b_name, ldb,
+                                     add(b_base, pixels - tail), pixels - tail, tail)
+            return [ir.Loop(mp, iconst(0), iconst(panels), body[:-1]), body[-1]]
         return [ir.Loop(mp, iconst(0), iconst(panels), body)]
 
-    def _pointwise_tail(self, op: Op, dest: str, rows, into_window: bool, m0: Expr, mr: int,
-                        first: int, count: int) -> list[ir.Stmt]:
-        """The last pixels that do not fill a micro-kernel panel, as dot products."""
-        x_t, out = self.graph.tensors[op.inputs[0]], self.graph.tensors[op.outputs[0]]
-        channels, width, m_total = x_t.shape[1], x_t.shape[3], out.shape[1]
+    def _tail_panel(self, op: Op, dest: str, rows, into_window: bool, uk, panels: int,
+                    a_name: str, b_name: str, ldb: int, b_start: Expr, first: int, count: int
+                    ) -> list[ir.Stmt]:
+        """The last `count` pixels, fewer than a micro-kernel panel: copied into a zero-padded
+        panel, multiplied by every weight panel, their results stored."""
+        channels, width = self.graph.tensors[op.inputs[0]].shape[1], \
+            self.graph.tensors[op.inputs[0]].shape[3]
+        m_total = self.graph.tensors[op.outputs[0]].shape[1]
         a, _ = rows
-        w_t = self.graph.tensors[op.inputs[1]]
-        r, q, k = (var(self.names(n), e) for n, e in (("r", mr), ("q", count), ("k", channels)))
-        m, j = add(m0, r), add(q, first)
+        bt, ct = TAIL, self.names("ct")
+        k, q = var(self.names("k"), channels), var(self.names("q"), uk.nr)
+        source = array_load(b_name, "float32", add(b_start, mul(k, ldb), q)) \
+            if b_name == ARENA else load(b_name, "float32", add(b_start, mul(k, ldb), q))
+        fill = ir.Loop(k, iconst(0), iconst(channels), [
+            ir.Loop(q, iconst(0), iconst(count), [ir.ArrayStore(bt, add(mul(k, uk.nr), q), source)],
+                    simd=True)])
+        q2 = var(self.names("q"), uk.nr - count, count)
+        pad = ir.Loop(k, iconst(0), iconst(channels), [
+            ir.Loop(q2, iconst(count), iconst(uk.nr),
+                    [ir.ArrayStore(bt, add(mul(k, uk.nr), q2), const(0, "float32"))])])
+        mp, r, col = (var(self.names(n), e) for n, e in (("mp", panels), ("r", uk.mr),
+                                                          ("j", count)))
+        m = add(mul(mp, uk.mr), r)
+        j = add(col, first)
         y, x = add(a, floordiv(j, width)), sub(j, mul(floordiv(j, width), width))
-        total = acc(self.names("acc"), "float32")
-        w = self.constant_value(w_t, Index(w_t.shape, dims=[m, k, iconst(0), iconst(0)]))
-        update = ir.Assign(total, binary("add", total, binary("mul", w, self._read_x(op, k, y, x))))
-        value = total
+        value = array_load(ct, "float32", add(mul(r, uk.nr), col))
         bias = self._bias(op, m)
         if bias is not None:
-            value = binary("add", total, bias)
-        inner = [ir.DeclAcc(total, const(0, "float32")),
-                 ir.Loop(k, iconst(0), iconst(channels), [update]),
-                 *self._conv_result(op, dest, into_window, m, y, x, value)]
-        return [ir.Loop(r, iconst(0), imin(iconst(mr), sub(iconst(m_total), m0)),
-                        [ir.Loop(q, iconst(0), iconst(count), inner)])]
+            value = binary("add", value, bias)
+        call = ir.MicroKernelCall(uk, iconst(channels), a_name, mul(mp, channels * uk.mr), bt,
+                                  iconst(0), uk.nr, ct, iconst(0), uk.nr, iconst(0))
+        epilogue = ir.Loop(r, iconst(0), imin(iconst(uk.mr), sub(iconst(m_total), mul(mp, uk.mr))),
+                           [ir.Loop(col, iconst(0), iconst(count),
+                                    self._conv_result(op, dest, into_window, m, y, x, value),
+                                    simd=True)])
+        panel_loop = ir.Loop(mp, iconst(0), iconst(panels),
+                             [ir.DeclArray(ct, "float32", uk.mr * uk.nr), call, epilogue])
+        self.tail_floats = max(self.tail_floats, channels * uk.nr)
+        return [fill, pad, panel_loop]
 
     def _direct(self, op: Op, dest: str, w, group: int, rows: tuple[Expr, int],
                 into_window: bool) -> list[ir.Stmt]:
@@ -331,24 +353,38 @@ class TiledLowering(BlockLowering):
         m, r = var(self.names("m"), m_total), var(self.names("y"), n)
         y = add(a, r)
         row = self.names("row")
-        ci, ky, kx = (var(self.names(k), e) for k, e in (("c", cg), ("ky", w.kernel[0]),
-                                                          ("kx", w.kernel[1])))
-        col = var(self.names("x"), width)
-        lo_num = sub(iconst(w.pad_begin[1]), mul(kx, w.dilations[1]))
-        col_lo = imax(ceildiv(lo_num, w.strides[1]), 0)
-        col_hi = imin(ceildiv(add(lo_num, w.in_size[1]), w.strides[1]), width)
+        ci, ky = var(self.names("c"), cg), var(self.names("ky"), w.kernel[0])
         iy = add(mul(y, w.strides[0]), mul(ky, w.dilations[0]), -w.pad_begin[0])
-        ix = add(mul(col, w.strides[1]), mul(kx, w.dilations[1]), -w.pad_begin[1])
         c = add(mul(floordiv(m, mg), cg), ci)
-        weight = self.constant_value(w_t, Index(w_t.shape, dims=[m, ci, ky, kx]))
-        current = array_load(row, "float32", col)
-        update = ir.ArrayStore(row, col, binary("add", current,
-                                                binary("mul", weight, self._read_x(op, c, iy, ix))))
+
+        def taps_sum(col: Expr, kxs: list[int]) -> Expr:
+            """The row's sum over the taps `kxs` of kernel row ky at output column `col`."""
+            total = array_load(row, "float32", col)
+            for k in kxs:
+                ix = add(mul(col, w.strides[1]), k * w.dilations[1] - w.pad_begin[1])
+                weight = self.constant_value(w_t, Index(w_t.shape, dims=[m, ci, ky, iconst(k)]))
+                total = binary("add", total, binary("mul", weight, self._read_x(op, c, iy, ix)))
+            return total
+
+        def valid(x: int) -> list[int]:
+            return [k for k in range(w.kernel[1])
+                    if 0 <= x * w.strides[1] + k * w.dilations[1] - w.pad_begin[1] < w.in_size[1]]
+
+        # columns whose every tap lies inside the row: one vectorised loop, taps unrolled in
+        # registers; the few border columns one by one with their own taps
+        inner_lo = min(width, -(-w.pad_begin[1] // w.strides[1]))
+        inner_hi = max(inner_lo, min(width, (w.in_size[1] - 1 - (w.kernel[1] - 1) * w.dilations[1]
+                                              + w.pad_begin[1]) // w.strides[1] + 1))
+        col = var(self.names("x"), max(inner_hi - inner_lo, 1), inner_lo)
+        per_ky: list[ir.Stmt] = []
+        if inner_hi > inner_lo:
+            per_ky.append(ir.Loop(col, iconst(inner_lo), iconst(inner_hi),
+                                  [ir.ArrayStore(row, col, taps_sum(col, list(range(w.kernel[1]))))],
+                                  simd=True))
+        for x in [*range(inner_lo), *range(inner_hi, width)]:
+            per_ky.append(ir.ArrayStore(row, iconst(x), taps_sum(iconst(x), valid(x))))
         taps_lo, taps_hi = valid_taps(w, 0, y)
-        reduction = ir.Loop(ci, iconst(0), iconst(cg), [
-            ir.Loop(ky, taps_lo, taps_hi, [
-                ir.Loop(kx, iconst(0), iconst(w.kernel[1]), [
-                    ir.Loop(col, col_lo, col_hi, [update], simd=True)])])])
+        reduction = ir.Loop(ci, iconst(0), iconst(cg), [ir.Loop(ky, taps_lo, taps_hi, per_ky)])
         col2 = var(self.names("x"), width)
         value = array_load(row, "float32", col2)
         bias = self._bias(op, m)

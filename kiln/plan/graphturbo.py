@@ -54,7 +54,7 @@ from kiln.ecg import Graph, Op
 from kiln.mapping import MappingType
 from kiln.ops import op_info
 from kiln.plan import Decision, FusionPlan, register_partitioner
-from kiln.plan.blocks import build_plan
+from kiln.plan.blocks import build_plan, make_block
 from kiln.plan.dnnfusion import row_space
 from kiln.plan.scopes import (
     ROW_DIM,
@@ -72,6 +72,14 @@ from kiln.profile import ProfileStore
 SMALL_FACTORS = (1, 2, 4)  # Algorithm 1 line 4: 1, 2, 4, then every value from 8 up
 MAX_OPS = 48  # bounds generated-code size and compile time
 MAX_DIAMOND = 12  # sub-graphs inside one diamond
+# The LB is this share of a core's L2: the rest holds what an instance streams through it — the
+# weights of the layer it runs (the paper's small fixed buffers for weight promotion, §2.2), the
+# rows it reads from the stage's inputs and the rows it writes to the stage's outputs.
+LB_SHARE = 2
+# The paper's cost model against recomputation (§3.1): a stage cut into row instances computes
+# the halo rows its 3×3 convolutions read in every instance that needs them; a merge is refused
+# when that would make the stage's FLOPs grow by more than this factor.
+MAX_RECOMPUTE = 1.25
 
 
 @dataclass(frozen=True)
@@ -80,15 +88,16 @@ class Hardware:
 
     register_bytes: int = 16 * 32  # 16 AVX2 vector registers
     l1_bytes: int = 32 << 10
-    local_bytes: int = 1 << 20  # LB: the per-core L2 share
+    local_bytes: int = 512 << 10  # LB: the per-core L2 share
     global_bytes: int = 16 << 20  # GB: the per-core share of the last-level cache
 
     @classmethod
     def for_host(cls) -> Hardware:
         caches, cores = host_caches(), os.cpu_count() or 1
         default = cls()
+        l2 = caches.get("l2_bytes")
         return cls(default.register_bytes, caches.get("l1d_bytes") or default.l1_bytes,
-                   caches.get("l2_bytes") or default.local_bytes,
+                   l2 // LB_SHARE if l2 else default.local_bytes,
                    (caches.get("l3_bytes") or default.global_bytes * cores) // cores)
 
     @property
@@ -326,7 +335,27 @@ class _Grouping:
             reason = "no SplitInfo: the merged stage cannot be cut to fit the local buffer"
         elif self.factor(merged) > self.factor(b):
             reason = "rule (i): the merged splitting factor is larger"
+        elif self.recomputed(merged) > MAX_RECOMPUTE:
+            reason = f"cost model: halo recomputation above {MAX_RECOMPUTE}x"
         return self.commit([g1, g2], pattern, reason)
+
+    def recomputed(self, group: frozenset[str]) -> float:
+        """FLOPs of the group run as its row instances over FLOPs run whole (1: no halo)."""
+        split = self.split(group)
+        if split is None or split.dim != ROW_DIM or split.parts == 1:
+            return 1.0
+        ops = self.ordered(group)
+        ids = [o.id for o in ops]
+        outputs = make_block(self.graph, ids, 0).outputs
+        windows = row_windows(self.graph, ids, outputs, split.parts)
+        if windows is None:
+            return 1.0
+        total = sum(o.flops for o in ops) or 1
+        grown = 0.0
+        for o in ops:
+            w = windows.get(o.outputs[0])
+            grown += o.flops * (w.rows * split.parts / w.height if w else 1.0)
+        return grown / total
 
     def diamond(self, exit_: int) -> bool:
         """Fig. 4b: one entry, one exit, at least two paths; everything but the entry joins."""
@@ -350,6 +379,8 @@ class _Grouping:
             reason = "no SplitInfo: the merged stage cannot be cut to fit the local buffer"
         elif self.factor(merged) > max(self.factor(self.groups[g]) for g in parts):
             reason = "rule (ii): the merged splitting factor is larger than its parts'"
+        elif self.recomputed(merged) > MAX_RECOMPUTE:
+            reason = f"cost model: halo recomputation above {MAX_RECOMPUTE}x"
         return self.commit(parts, "diamond", reason)
 
     def ancestors(self, g: int, limit: int) -> list[int]:
