@@ -564,12 +564,10 @@ def _window_bytes(graph: Graph, window: Window) -> int:
 
 
 def _whole_scope(graph: Graph, tensor: str, hw: Hardware) -> str:
-    """An intermediate of a stage not cut: in registers when only elementwise ops touch it (the
-    lowering computes it inside an expression), else a whole buffer scoped by its size."""
-    producer = graph.producer(tensor)
-    consumers = graph.consumers(tensor)
-    if producer.mapping == MappingType.ONE_TO_ONE and all(
-            c.mapping == MappingType.ONE_TO_ONE for c in consumers):
+    """An intermediate of a stage not cut: in registers when only elementwise ops read it (the
+    lowering computes it inside their expressions or in its producer's epilogue), else a whole
+    buffer, scoped by the fastest level it fits."""
+    if all(c.mapping == MappingType.ONE_TO_ONE for c in graph.consumers(tensor)):
         return "register"
     return scope_of_bytes(graph.tensors[tensor].nbytes, hw.capacities)
 
