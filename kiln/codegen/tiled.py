@@ -38,11 +38,14 @@ from kiln.codegen.expr import (
     floordiv,
     iconst,
     imax,
+    index_compare,
     local,
+    logical_and,
     imin,
     load,
     modulo,
     mul,
+    select,
     sub,
     var,
 )
@@ -57,7 +60,9 @@ from kiln.plan.scopes import SCOPES, Window, epilogue_target, is_row_conv, kept_
 
 MAX_ARENA_BYTES = 4 << 20  # an instance's buffers live on its thread's stack
 ARENA = "tile"
-TAIL = "tailpanel"  # the zero-padded last pixels of a 1×1 convolution's window
+TAIL = "tailpanel"
+COLS = "patches"  # a k×k convolution's unrolled input patches
+MAX_PATCH_BYTES = 2 << 20  # the zero-padded last pixels of a 1×1 convolution's window
 ALIGN = 64
 
 
@@ -98,7 +103,7 @@ class TiledLowering(BlockLowering):
         batch, parts = out.shape[0], self.stage.split.parts
         p = var(self.names("p"), batch * parts)
         self.image, self.part = floordiv(p, parts), modulo(p, parts)
-        self.tail_floats = 0
+        self.tail_floats = self.cols_floats = 0
         body: list[ir.Stmt] = [ir.DeclArray(ARENA, "float32", self.arena_floats)]
         computed: set[str] = set()
         for op in self.ops:
@@ -113,6 +118,8 @@ class TiledLowering(BlockLowering):
                                               into_window=False)
         if self.tail_floats:
             body.insert(1, ir.DeclArray(TAIL, "float32", self.tail_floats))
+        if self.cols_floats:
+            body.insert(1, ir.DeclArray(COLS, "float32", self.cols_floats))
         loop = ir.Loop(p, iconst(0), iconst(batch * parts), body, parallel=1, grain="one")
         work = sum(graph.tensors[t].numel for t in block.outputs) * len(self.ops)
         self.add_stage(f"tiled stage: {len(self.ops)} ops over {parts} row instances", [loop],
@@ -245,35 +252,40 @@ class TiledLowering(BlockLowering):
                      and not any(geometry.pad_begin) and not any(geometry.pad_end))
         if pointwise and out.shape[3] == x_shape[3]:
             return self._pointwise(op, dest, rows, into_window)
+        uk = self._micro_kernel()
+        patches = x_shape[1] * math.prod(geometry.kernel) * -(-rows[1] * out.shape[3] // uk.nr) * uk.nr
+        if (group == 1 and len(geometry.kernel) == 2 and out.shape[1] >= self.schedule.conv_gemm_min_cout
+                and patches * 4 <= MAX_PATCH_BYTES):
+            return self._im2col(op, dest, geometry, rows, into_window)
         return self._direct(op, dest, geometry, group, rows, into_window)
 
-    def _pointwise(self, op: Op, dest: str, rows: tuple[Expr, int], into_window: bool
-                   ) -> list[ir.Stmt]:
-        """out[m, pixels] = W[m, :] · X[:, pixels] + bias over the rows' pixels, which lie
-        contiguously in X's window (or tensor) and in the destination."""
-        x_t, out = self.graph.tensors[op.inputs[0]], self.graph.tensors[op.outputs[0]]
-        channels, width = x_t.shape[1], x_t.shape[3]
-        m_total = out.shape[1]
-        a, n = rows
-        pixels = n * width
-        uk = tile_for((), "float32", self.schedule.vector_bytes, self.schedule.gemm_mr,
-                      self.schedule.gemm_nr)
-        weights = self.graph.tensors[op.inputs[1]].data.reshape(m_total, channels)
-        panels = -(-m_total // uk.mr)
-        packed = np.zeros((panels * uk.mr, channels), dtype=np.float32)
-        packed[:m_total] = weights
-        packed = packed.reshape(panels, uk.mr, channels).transpose(0, 2, 1)
-        a_name = self.derived_constant(np.ascontiguousarray(packed))
-        if x_t.id in self.buffers:
-            b_name, ldb = ARENA, self.windows[x_t.id].rows * width
-            b_base = add(self.buffers[x_t.id], mul(sub(a, self.window_start(x_t.id)), width))
-        elif x_t.id in self.ready:
-            b_name, ldb = x_t.id, x_t.shape[2] * width
-            b_base = add(mul(self.image, channels * ldb), mul(a, width))
-        else:
-            raise NotTileable(f"convolution input {x_t.id} is neither kept nor an input")
+    def _micro_kernel(self):
+        return tile_for((), "float32", self.schedule.vector_bytes, self.schedule.gemm_mr,
+                        self.schedule.gemm_nr)
+
+    def _packed_weights(self, op: Op, mr: int) -> tuple[str, int, int]:
+        """The weights as micro-kernel panels of `mr` output channels (a derived constant):
+        (name, panels, length of the sum)."""
+        w = self.graph.tensors[op.inputs[1]].data
+        m_total = w.shape[0]
+        matrix = w.reshape(m_total, -1)
+        panels = -(-m_total // mr)
+        packed = np.zeros((panels * mr, matrix.shape[1]), dtype=np.float32)
+        packed[:m_total] = matrix
+        packed = packed.reshape(panels, mr, matrix.shape[1]).transpose(0, 2, 1)
+        return self.derived_constant(np.ascontiguousarray(packed)), panels, matrix.shape[1]
+
+    def _gemm(self, op: Op, dest: str, rows: tuple[Expr, int], into_window: bool, b_name: str,
+              b_base: Expr, ldb: int, columns: int, valid: int) -> list[ir.Stmt]:
+        """out[m, j] = W[m, :] · B[:, j] + bias for `columns` (a multiple of the micro-kernel's
+        width) columns of B from `b_base` (`ldb` apart per row of the sum), of which the first
+        `valid` are output pixels of the rows (row-major over the output width)."""
+        uk = self._micro_kernel()
+        a_name, panels, depth = self._packed_weights(op, uk.mr)
+        m_total, width = (self.graph.tensors[op.outputs[0]].shape[i] for i in (1, 3))
+        a, _ = rows
         ct = self.names("ct")
-        mp, jp = var(self.names("mp"), panels), var(self.names("jp"), max(pixels // uk.nr, 1))
+        mp, jp = var(self.names("mp"), panels), var(self.names("jp"), max(columns // uk.nr, 1))
         m0, j0 = mul(mp, uk.mr), mul(jp, uk.nr)
         r, col = var(self.names("r"), uk.mr), var(self.names("j"), uk.nr)
         m = add(m0, r)
@@ -283,21 +295,83 @@ class TiledLowering(BlockLowering):
         if bias is not None:
             value = binary("add", value, bias)
         y, x = add(a, floordiv(j, width)), sub(j, mul(floordiv(j, width), width))
+        col_stop = iconst(uk.nr) if valid == columns else imin(iconst(uk.nr), sub(iconst(valid), j0))
         epilogue = ir.Loop(r, iconst(0), imin(iconst(uk.mr), sub(iconst(m_total), m0)),
-                           [ir.Loop(col, iconst(0), iconst(uk.nr),
+                           [ir.Loop(col, iconst(0), col_stop,
                                     self._conv_result(op, dest, into_window, m, y, x, value),
                                     simd=True)])
-        call = ir.MicroKernelCall(uk, iconst(channels), a_name, mul(mp, channels * uk.mr), b_name,
+        call = ir.MicroKernelCall(uk, iconst(depth), a_name, mul(mp, depth * uk.mr), b_name,
                                   add(b_base, j0), ldb, ct, iconst(0), uk.nr, iconst(0))
-        body: list[ir.Stmt] = [ir.DeclArray(ct, "float32", uk.mr * uk.nr)]
-        if pixels >= uk.nr:
-            body.append(ir.Loop(jp, iconst(0), iconst(pixels // uk.nr), [call, epilogue]))
-        tail = pixels - pixels // uk.nr * uk.nr
-        if tail:
+        return [ir.Loop(mp, iconst(0), iconst(panels), [
+            ir.DeclArray(ct, "float32", uk.mr * uk.nr),
+            ir.Loop(jp, iconst(0), iconst(columns // uk.nr), [call, epilogue])])]
+
+    def _pointwise(self, op: Op, dest: str, rows: tuple[Expr, int], into_window: bool
+                   ) -> list[ir.Stmt]:
+        """A 1×1 convolution: B is the rows' pixels, contiguous in X's window (or tensor); the
+        pixels after the last whole micro-kernel panel go through a zero-padded one."""
+        x_t = self.graph.tensors[op.inputs[0]]
+        channels, width = x_t.shape[1], x_t.shape[3]
+        a, n = rows
+        pixels = n * width
+        uk = self._micro_kernel()
+        if x_t.id in self.buffers:
+            b_name, ldb = ARENA, self.windows[x_t.id].rows * width
+            b_base = add(self.buffers[x_t.id], mul(sub(a, self.window_start(x_t.id)), width))
+        elif x_t.id in self.ready:
+            b_name, ldb = x_t.id, x_t.shape[2] * width
+            b_base = add(mul(self.image, channels * ldb), mul(a, width))
+        else:
+            raise NotTileable(f"convolution input {x_t.id} is neither kept nor an input")
+        whole = pixels // uk.nr * uk.nr
+        body = self._gemm(op, dest, rows, into_window, b_name, b_base, ldb, whole, whole) \
+            if whole else []
+        if pixels > whole:
+            a_name, panels, _ = self._packed_weights(op, uk.mr)
             body += self._tail_panel(op, dest, rows, into_window, uk, panels, a_name, b_name, ldb,
-                                     add(b_base, pixels - tail), pixels - tail, tail)
-            return [ir.Loop(mp, iconst(0), iconst(panels), body[:-1]), body[-1]]
-        return [ir.Loop(mp, iconst(0), iconst(panels), body)]
+                                     add(b_base, whole), whole, pixels - whole)
+        return body
+
+    def _im2col(self, op: Op, dest: str, w, rows: tuple[Expr, int], into_window: bool
+                ) -> list[ir.Stmt]:
+        """A k×k convolution of one group as a GEMM: the window's input patches unrolled into
+        a buffer of (channel, tap) rows × output pixels (zero where a tap falls in the padding),
+        padded to whole micro-kernel panels."""
+        x_t, out = self.graph.tensors[op.inputs[0]], self.graph.tensors[op.outputs[0]]
+        channels, (kh, kw), width = x_t.shape[1], w.kernel, out.shape[3]
+        a, n = rows
+        uk = self._micro_kernel()
+        pixels = n * width
+        columns = -(-pixels // uk.nr) * uk.nr
+        depth = channels * kh * kw
+        self.cols_floats = max(self.cols_floats, depth * columns)
+        k, r, x = var(self.names("k"), depth), var(self.names("y"), n), var(self.names("x"), width)
+        c, ky, kx = Index((channels, kh, kw), flat=k).dims
+        iy = add(mul(add(a, r), w.strides[0]), mul(ky, w.dilations[0]), -w.pad_begin[0])
+        ix = add(mul(x, w.strides[1]), mul(kx, w.dilations[1]), -w.pad_begin[1])
+        inside = logical_and(logical_and(index_compare("ge", iy, 0),
+                                         index_compare("lt", iy, w.in_size[0])),
+                             logical_and(index_compare("ge", ix, 0),
+                                         index_compare("lt", ix, w.in_size[1])))
+        if x_t.id in self.buffers:
+            first = self.window_start(x_t.id)
+            iy_in = imin(imax(iy, first), add(first, self.windows[x_t.id].rows - 1))
+        else:
+            iy_in = imin(imax(iy, 0), w.in_size[0] - 1)
+        ix_in = imin(imax(ix, 0), w.in_size[1] - 1)
+        value = select(inside, self._read_x(op, c, iy_in, ix_in), const(0, "float32"))
+        fill = ir.Loop(k, iconst(0), iconst(depth), [ir.Loop(r, iconst(0), iconst(n), [
+            ir.Loop(x, iconst(0), iconst(width),
+                    [ir.ArrayStore(COLS, add(mul(k, columns), mul(r, width), x), value)],
+                    simd=True)])])
+        body: list[ir.Stmt] = [fill]
+        if columns > pixels:
+            k2, q = var(self.names("k"), depth), var(self.names("q"), columns - pixels, pixels)
+            body.append(ir.Loop(k2, iconst(0), iconst(depth), [
+                ir.Loop(q, iconst(pixels), iconst(columns),
+                        [ir.ArrayStore(COLS, add(mul(k2, columns), q), const(0, "float32"))])]))
+        return body + self._gemm(op, dest, rows, into_window, COLS, iconst(0), columns, columns,
+                                 pixels)
 
     def _tail_panel(self, op: Op, dest: str, rows, into_window: bool, uk, panels: int,
                     a_name: str, b_name: str, ldb: int, b_start: Expr, first: int, count: int
