@@ -548,6 +548,9 @@ def stage_plan(graph: Graph, block_id: str, op_ids: tuple[str, ...], outputs: tu
             scopes[t] = _whole_scope(graph, t, hw)
         return StagePlan(block_id, split, peak, count, scopes=scopes)
     kept = kept_tensors(graph, op_ids, outputs)
+    if not kept:  # nothing to stitch between layers: the usual lowering runs the stage
+        scopes |= {t: "register" for t in internal}
+        return StagePlan(block_id, split, peak, count, scopes=scopes)
     live = kept_liveness(graph, op_ids, outputs, kept)
     buffers = [(t, _window_bytes(graph, windows[t]), *live[t]) for t in kept]
     placed = allocate(buffers, hw.capacities)
