@@ -42,13 +42,16 @@ def test_inverted_residual_runs_tile_by_tile(stride):
     inputs = {"x": np.random.default_rng(2).standard_normal((1, 16, 28, 28)).astype("float32")}
     graph = frontend.build(m, {}, "test")
     plan = GraphTurbo(Hardware(l1_bytes=8 << 10, local_bytes=128 << 10))(graph, store())
-    first = plan.stages[plan.blocks[0].id]
-    assert first.tiled and first.split.parts > 1
-    expanded = graph.op_by_id[plan.blocks[0].op_ids[0]].outputs[0]
-    assert first.scopes[expanded] in ("register", "L1", "L2")  # never a whole tensor in memory
     kernels = generate(plan, host_target())
-    stage = kernels[0].schedule["stages"][0]
-    assert stage["form"] == "tiled" and stage["instances"] == first.split.parts
-    assert kernels[0].scratch_bytes == 0  # intermediates live in the instance's buffers only
+    expand, depthwise = graph.ops[0], graph.ops[2]
+    if stride == 1:  # one stage; the expanded intermediate lives in an instance's buffers
+        first = plan.stages[plan.blocks[0].id]
+        assert len(plan.blocks) == 1 and first.tiled and first.split.parts > 1
+        assert first.scopes[expand.outputs[0]] in ("register", "L1", "L2")
+        stage = kernels[0].schedule["stages"][0]
+        assert stage["form"] == "tiled" and stage["instances"] == first.split.parts
+        assert kernels[0].scratch_bytes == 0  # no whole intermediate anywhere
+    else:  # the down-sampling depthwise conv starts a new stage (rule (i))
+        assert plan.block_of[expand.id] != plan.block_of[depthwise.id]
     values = run_kernels(plan, kernels, dict(zip(graph.inputs, inputs.values())))
     assert_matches([values[t] for t in plan.graph.outputs], reference(m, inputs))
