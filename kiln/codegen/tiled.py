@@ -30,7 +30,6 @@ from kiln.codegen import ir
 from kiln.codegen.contexts import NeedsBuffer, NotFusable, Provided
 from kiln.codegen.expr import (
     Expr,
-    acc,
     add,
     array_load,
     binary,
@@ -62,7 +61,8 @@ MAX_ARENA_BYTES = 4 << 20  # an instance's buffers live on its thread's stack
 ARENA = "tile"
 TAIL = "tailpanel"
 COLS = "patches"  # a k×k convolution's unrolled input patches
-MAX_PATCH_BYTES = 2 << 20  # the zero-padded last pixels of a 1×1 convolution's window
+MAX_PATCH_BYTES = 2 << 20
+MAX_BORDER_COLUMNS = 16  # the zero-padded last pixels of a 1×1 convolution's window
 ALIGN = 64
 
 
@@ -253,9 +253,10 @@ class TiledLowering(BlockLowering):
         if pointwise and out.shape[3] == x_shape[3]:
             return self._pointwise(op, dest, rows, into_window)
         uk = self._micro_kernel()
-        patches = x_shape[1] * math.prod(geometry.kernel) * -(-rows[1] * out.shape[3] // uk.nr) * uk.nr
-        if (group == 1 and len(geometry.kernel) == 2 and out.shape[1] >= self.schedule.conv_gemm_min_cout
-                and patches * 4 <= MAX_PATCH_BYTES):
+        columns = -(-rows[1] * out.shape[3] // uk.nr) * uk.nr
+        patches = x_shape[1] * math.prod(geometry.kernel) * columns
+        if (group == 1 and len(geometry.kernel) == 2 and patches * 4 <= MAX_PATCH_BYTES
+                and out.shape[1] >= self.schedule.conv_gemm_min_cout):
             return self._im2col(op, dest, geometry, rows, into_window)
         return self._direct(op, dest, geometry, group, rows, into_window)
 
@@ -295,7 +296,8 @@ class TiledLowering(BlockLowering):
         if bias is not None:
             value = binary("add", value, bias)
         y, x = add(a, floordiv(j, width)), sub(j, mul(floordiv(j, width), width))
-        col_stop = iconst(uk.nr) if valid == columns else imin(iconst(uk.nr), sub(iconst(valid), j0))
+        col_stop = iconst(uk.nr) if valid == columns else imin(iconst(uk.nr),
+                                                                sub(iconst(valid), j0))
         epilogue = ir.Loop(r, iconst(0), imin(iconst(uk.mr), sub(iconst(m_total), m0)),
                            [ir.Loop(col, iconst(0), col_stop,
                                     self._conv_result(op, dest, into_window, m, y, x, value),
@@ -449,12 +451,14 @@ class TiledLowering(BlockLowering):
         inner_lo = min(width, -(-w.pad_begin[1] // w.strides[1]))
         inner_hi = max(inner_lo, min(width, (w.in_size[1] - 1 - (w.kernel[1] - 1) * w.dilations[1]
                                               + w.pad_begin[1]) // w.strides[1] + 1))
+        if inner_lo + width - inner_hi > MAX_BORDER_COLUMNS:
+            raise NotTileable("too many border columns to write out one by one")
         col = var(self.names("x"), max(inner_hi - inner_lo, 1), inner_lo)
         per_ky: list[ir.Stmt] = []
         if inner_hi > inner_lo:
+            every_tap = list(range(w.kernel[1]))
             per_ky.append(ir.Loop(col, iconst(inner_lo), iconst(inner_hi),
-                                  [ir.ArrayStore(row, col, taps_sum(col, list(range(w.kernel[1]))))],
-                                  simd=True))
+                                  [ir.ArrayStore(row, col, taps_sum(col, every_tap))], simd=True))
         for x in [*range(inner_lo), *range(inner_hi, width)]:
             per_ky.append(ir.ArrayStore(row, iconst(x), taps_sum(iconst(x), valid(x))))
         taps_lo, taps_hi = valid_taps(w, 0, y)

@@ -413,7 +413,8 @@ class _Grouping:
             if not self.producers(g):
                 return None  # a path that does not come from the entry
         for g in inside:
-            if not self.producers(g) <= inside | {entry} or not self.consumers(g) <= inside | {exit_}:
+            if (not self.producers(g) <= inside | {entry}
+                    or not self.consumers(g) <= inside | {exit_}):
                 return None
         return sorted(inside, key=self.position)
 
@@ -437,7 +438,7 @@ class _Grouping:
         return True
 
 
-# --- §3.3 instances and their order -----------------------------------------------------------------
+# --- §3.3 instances and their order ---------------------------------------------------------
 
 def instances(graph: Graph, op_ids: tuple[str, ...], split: Split | None) -> int:
     """A split stage runs `parts` instances per index of the outer dimensions every op carries
