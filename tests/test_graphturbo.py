@@ -114,7 +114,10 @@ def test_a_down_sampling_ends_a_stage_and_a_large_local_buffer_needs_no_cut():
     refused = [d.reason for d in plan.decisions if not d.fused]
     assert any(r.startswith("rule (i)") for r in refused)
     whole = GraphTurbo(Hardware(local_bytes=64 << 20))(graph, store())
-    assert len(whole.blocks) == 1 and not whole.stages[whole.blocks[0].id].tiled
+    assert all(not s.tiled and s.split.parts == 1 for s in whole.stages.values())
+    # uncut, several convolutions would run whole in one kernel: each keeps its own stage
+    assert all(sum(whole.graph.op_by_id[i].compute_intensive for i in b.op_ids) <= 1
+               for b in whole.blocks)
 
 
 # --- grouping and instances -----------------------------------------------------------------
@@ -134,7 +137,7 @@ def test_every_merged_stage_has_a_split_and_a_reason(graph, seed, local):
         assert set(stage.scopes) >= set(block.outputs)
         assert all(stage.scopes[t] == "memory" for t in block.outputs)
     known = ("straight merge", "diamond merge", "branch merge", "rule (i)", "rule (ii)",
-             "no SplitInfo", "opaque", "more than", "cost model")
+             "no SplitInfo", "opaque", "more than", "cost model", "kernel generator")
     assert all(d.reason.startswith(known) for d in plan.decisions)
     producers = instance_graph(plan, plan.stages)
     for depth_first in (False, True):

@@ -27,7 +27,11 @@ What the partitioner does, in the paper's order:
   second's factor is not below the first's (a down-sampling ends a stage) and the merged factor
   is not above the second's; a diamond merge rule (ii): the merged factor is not above the
   largest of its parts. A merge whose result has no SplitInfo (its data cannot be cut to fit
-  the LB) is refused: the hardware says where grouping stops.
+  the LB) is refused: the hardware says where grouping stops. So is one whose halo rows would
+  grow the stage's FLOPs by more than MAX_RECOMPUTE (the paper's cost model against
+  recomputation), and one that puts several compute-intensive layers in a stage Kiln's kernel
+  generator could not run tile by tile (it would run them whole, one after another: nothing
+  gained over separate stages).
 * **Instances** (§3.3): a stage cut f ways along d runs as f instances per index of the
   dimensions before d (images, for a split of rows). Instances are ordered by Algorithm 3 —
   breadth first (every instance of a stage, then the next stage) and depth first (an instance
@@ -337,7 +341,25 @@ class _Grouping:
             reason = "rule (i): the merged splitting factor is larger"
         elif self.recomputed(merged) > MAX_RECOMPUTE:
             reason = f"cost model: halo recomputation above {MAX_RECOMPUTE}x"
+        else:
+            reason = self.generator_refusal(merged)
         return self.commit([g1, g2], pattern, reason)
+
+    def generator_refusal(self, group: frozenset[str]) -> str | None:
+        """Kiln's kernel generator stitches layers through buffers only tile by tile
+        (`kiln.codegen.tiled`); a stage of several compute-intensive layers it would run whole,
+        layer after layer, gains nothing over separate stages and is refused."""
+        ops = self.ordered(group)
+        if sum(o.compute_intensive for o in ops) <= 1:
+            return None
+        split = self.split(group)
+        ids = [o.id for o in ops]
+        outputs = make_block(self.graph, ids, 0).outputs
+        if (split is not None and split.dim == ROW_DIM and split.parts > 1
+                and row_windows(self.graph, ids, outputs, split.parts) is not None
+                and kept_tensors(self.graph, ids, outputs)):
+            return None
+        return "kernel generator: several compute-intensive layers share a kernel only tile by tile"
 
     def recomputed(self, group: frozenset[str]) -> float:
         """FLOPs of the group run as its row instances over FLOPs run whole (1: no halo)."""
@@ -381,6 +403,8 @@ class _Grouping:
             reason = "rule (ii): the merged splitting factor is larger than its parts'"
         elif self.recomputed(merged) > MAX_RECOMPUTE:
             reason = f"cost model: halo recomputation above {MAX_RECOMPUTE}x"
+        else:
+            reason = self.generator_refusal(merged)
         return self.commit(parts, "diamond", reason)
 
     def ancestors(self, g: int, limit: int) -> list[int]:
