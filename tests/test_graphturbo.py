@@ -238,3 +238,11 @@ def test_the_report_says_where_every_tensor_lives():
     tiled = [s for s in stages.values() if s["tiled"]]
     assert tiled and all(b["scope"] in ("L1", "L2", "memory") for s in tiled for b in s["buffers"])
     assert math.isfinite(MAX_RECOMPUTE)
+
+
+def test_empty_tensors_plan_as_one_instance():
+    from tests.graphs import ecg
+    graph = ecg([("Relu", ["x"], ["h"]), ("Relu", ["h"], ["y"])],
+                {"x": (0, 4), "h": (0, 4), "y": (0, 4)}, ["x"], ["y"])
+    plan = GraphTurbo(SMALL)(graph, RandomLatencies(0))  # empty outputs divided nothing by zero
+    assert all(s.instances == 1 for s in plan.stages.values())

@@ -474,7 +474,7 @@ def instances(graph: Graph, op_ids: tuple[str, ...], split: Split | None) -> int
     members = set(op_ids)
     common = frozenset(range(split.dim)).intersection(
         *(carried_dims(graph, op, members) for op in ops))
-    return split.parts * math.prod(out[k] for k in common)
+    return max(1, split.parts * math.prod(out[k] for k in common))  # an empty tensor: one
 
 
 Instance = tuple[str, int]  # (block id, instance number)

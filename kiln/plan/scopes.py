@@ -117,6 +117,8 @@ def row_windows(graph: Graph, op_ids: Sequence[str], outputs: Sequence[str], par
     batch = graph.tensors[ops[-1].outputs[0]].shape[0]
     if not all(is_row_conv(graph, op) or is_row_elementwise(graph, op, batch) for op in ops):
         return None
+    if any(graph.tensors[t].numel == 0 for op in ops for t in op.outputs):
+        return None
     need: dict[str, Rows] = {}
     for t in outputs:
         shape = graph.tensors[t].shape
