@@ -37,7 +37,16 @@ def fusion_report(graph: Graph, plan: FusionPlan, seconds: dict[str, float],
         "blocks": [{"id": b.id, "name": b.name, "ops": len(b.op_ids), "mapping": b.mapping.label,
                     "anchor": b.anchor} for b in plan.blocks],
         "graph": plan_graph(plan),
-    }
+    } | plan_stages(plan)
+
+
+def plan_stages(plan: FusionPlan) -> dict[str, Any]:
+    """What the partitioner decided beyond the cut, when it says (GraphTurbo: per block its
+    split, instances and the scope of every tensor; the instance order), else nothing."""
+    if not plan.stages and not plan.notes:
+        return {}
+    return {"stages": {block: stage.to_json() for block, stage in plan.stages.items()},
+            "plan_notes": dict(plan.notes)}
 
 
 def plan_graph(plan: FusionPlan) -> dict[str, Any]:

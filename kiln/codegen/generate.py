@@ -29,6 +29,7 @@ from kiln.codegen.lower import BlockLowering
 from kiln.codegen.ops import registered
 from kiln.codegen.passes import bind_values
 from kiln.codegen.schedule import Schedule
+from kiln.codegen.tiled import lower_tiled
 from kiln.ecg import Graph
 from kiln.errors import UnsupportedOpsError
 from kiln.ops import known_ops
@@ -77,7 +78,8 @@ def generate(plan: FusionPlan, target: Target, schedule: Schedule | None = None,
     schedule = schedule or backend.schedule
     block_schedules = block_schedules or {}
     return [_kernel(plan.graph, block, i, target, backend,
-                    schedule.merged(block_schedules.get(block.id)).for_isa(target.isa))
+                    schedule.merged(block_schedules.get(block.id)).for_isa(target.isa),
+                    plan.stages.get(block.id))
             for i, block in enumerate(plan.blocks)]
 
 
@@ -86,9 +88,10 @@ def kernel_symbol(block: Block, index: int) -> str:
 
 
 def _kernel(graph: Graph, block: Block, index: int, target: Target, backend: Backend,
-            schedule: Schedule) -> Kernel:
+            schedule: Schedule, stage: Any = None) -> Kernel:
     symbol = kernel_symbol(block, index)
-    lowered = BlockLowering(graph, block, symbol, schedule).lower()
+    lowered = (lower_tiled(graph, block, symbol, schedule, stage)
+               or BlockLowering(graph, block, symbol, schedule).lower())
     bind_values(lowered.kernel)
     renderer = backend.renderer()
     source = renderer.kernel(lowered.kernel, f"Kiln kernel {symbol} (block {block.id}, "

@@ -5,7 +5,7 @@ All partitioners share one interface (`Partitioner`) and are chosen by name with
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 from kiln.ecg import Graph
 from kiln.errors import PlanError
@@ -54,6 +54,10 @@ class FusionPlan:
     decisions: tuple[Decision, ...] = ()
     yellow_lookups: int = 0
     block_of: dict[str, str] = field(default_factory=dict, compare=False)  # op id -> block id
+    # Per block id, what a partitioner decided beyond the cut (an object with `to_json()`:
+    # GraphTurbo's split, instances and buffer scopes); code generation may follow it.
+    stages: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    notes: Mapping[str, Any] = field(default_factory=dict, compare=False)  # plan-wide, for the report
 
     @property
     def kernels(self) -> int:
@@ -97,4 +101,4 @@ def partitioner(name: str) -> Partitioner:
 
 
 def _load_partitioners() -> None:
-    from kiln.plan import ago, dnnfusion, fixed, none  # noqa: F401  (each registers itself)
+    from kiln.plan import ago, dnnfusion, fixed, graphturbo, none  # noqa: F401  (each registers itself)

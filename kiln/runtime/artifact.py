@@ -173,6 +173,7 @@ def plan_json(plan: FusionPlan, kernels: Sequence[Kernel], memory: MemoryPlan,
                     "outputs": list(b.outputs),
                     "ops": [{"id": o, "type": graph.op_by_id[o].op_type,
                              "name": graph.op_by_id[o].source_name} for o in b.op_ids]}
+                   | ({"stage": plan.stages[b.id].to_json()} if b.id in plan.stages else {})
                    for b in plan.blocks],
         "kernels": [{"symbol": k.symbol, "block": k.block_id, "function": units[k.symbol].function,
                      "scratch_bytes": k.scratch_bytes, "schedule": k.schedule,
