@@ -154,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
                                          args.threads)
                 calls["baseline"] = lambda b=baseline: b.run(**inputs)
             diffs = max_diff(calls)
-            us = {k: v * 1e3 for k, v in interleaved_medians(calls, args.rounds, args.warmup).items()}
+            medians = interleaved_medians(calls, args.rounds, args.warmup)
+            us = {k: v * 1e3 for k, v in medians.items()}
             kiln = us.get("dnnfusion")
             print(f"{name:12s} " + " ".join(f"{us[k]:10.1f}" if k in us else f"{'-':>10s}"
                                              for k in ("dnnfusion", "baseline", "ort", "ov"))

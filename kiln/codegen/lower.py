@@ -265,7 +265,8 @@ class BlockLowering:
             if op.id in chains:
                 self._close(open_row, pending)
                 open_row, pending = None, []
-                self._anchor(op, lambda ctx, chain=chains[op.id]: attention.fused_attention(ctx, chain))
+                chain = chains[op.id]
+                self._anchor(op, lambda ctx: attention.fused_attention(ctx, chain))
                 continue
             if kind == "inline":
                 pending += [t for t in op.outputs if t in self.must_store]

@@ -62,7 +62,8 @@ def chain_from(graph: Graph, first: Op) -> AttentionChain | None:
 
 
 def _is_matrix_rows(op: Op) -> bool:
-    return op_info(op.op_type).row_locality is RowLocality.MATRIX_ROWS and not op.attrs.get("transA")
+    return (op_info(op.op_type).row_locality is RowLocality.MATRIX_ROWS
+            and not op.attrs.get("transA"))
 
 
 def _sole_consumer(graph: Graph, tensor: str) -> Op | None:

@@ -147,17 +147,21 @@ def check_input(info: TensorInfo, value: Any) -> np.ndarray:
     return np.ascontiguousarray(array)
 
 
+def openmp_wait_environment() -> dict[str, str]:
+    """The variables that give OpenMP's workers Kiln's wait policy: none if the user chose one."""
+    return {} if any(name in os.environ for name in USER_WAIT_SETTINGS) else dict(OPENMP_WAIT)
+
+
 def _load_library(path: Path) -> ctypes.CDLL:
-    """The artifact's library, with OpenMP's wait policy set for the OpenMP runtime it loads
-    (libgomp reads the environment once, when it is loaded; the process's environment is
-    restored afterwards)."""
-    if any(name in os.environ for name in USER_WAIT_SETTINGS):
-        return ctypes.CDLL(str(path))
-    os.environ.update(OPENMP_WAIT)
+    """The artifact's library, with Kiln's wait policy for the OpenMP runtime it loads (libgomp
+    reads the environment once, when it is loaded; the process's environment is restored
+    afterwards). A libgomp.so.1 another library loaded first (torch's) keeps its own policy."""
+    extra = openmp_wait_environment()
+    os.environ.update(extra)
     try:
         return ctypes.CDLL(str(path))
     finally:
-        for name in OPENMP_WAIT:
+        for name in extra:
             os.environ.pop(name, None)
 
 

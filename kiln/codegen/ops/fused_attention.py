@@ -23,6 +23,7 @@ handles the MatMul/Softmax form and leaves every other chain to the ordinary sta
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,7 +65,8 @@ REFUSAL = "fused attention"  # the (op, tensor) key a failed trial leaves in the
 @dataclass(frozen=True)
 class Geometry:
     """Scores [*batch, m, n] = Q [*, m, d] · Kᵀ [*, d, n]; out [*batch, m, dv] = P · V [*, n, dv];
-    row tiles of `rows` query rows (`rows_pad` with the micro-kernel's column padding)."""
+    row tiles of `rows` query rows (`rows_pad` with the micro-kernel's column padding), `groups`
+    work items per batch element of `per_group` tiles each (K and V packed once per item)."""
 
     batch: tuple[int, ...]
     m: int
@@ -76,10 +78,15 @@ class Geometry:
     rows: int
     rows_pad: int
     tiles: int
+    groups: int
+
+    @property
+    def per_group(self) -> int:
+        return -(-self.tiles // self.groups)
 
     @property
     def items(self) -> int:
-        return math.prod(self.batch) * self.tiles
+        return math.prod(self.batch) * self.groups
 
     def stack_elements(self) -> int:
         return (self.n_pad * self.d + self.dv_pad * self.n + self.d * self.rows_pad
@@ -108,8 +115,9 @@ def geometry(graph: Graph, chain: AttentionChain, schedule: Schedule) -> Geometr
         rows_pad -= uk.nr
     tiles = -(-m // rows_pad)
     rows = -(-m // tiles)  # the same number of rows in every tile
+    groups = min(tiles, -(-MIN_ITEMS // max(batch, 1)))
     return Geometry(tuple(scores[:-2]), m, n, q[-1], dv, n_pad, round_up(dv, uk.mr), rows,
-                    round_up(rows, uk.nr), tiles)
+                    round_up(rows, uk.nr), tiles, groups)
 
 
 def micro_kernel_for(schedule: Schedule, dtype: str) -> MicroKernel:
@@ -150,8 +158,9 @@ def fused_attention(ctx: StageCtx, chain: AttentionChain) -> None:
     shape_of = {t: graph.tensors[t].shape for t in (first.inputs[0], first.inputs[1],
                                                      second.inputs[1], first.outputs[0])}
 
-    b, tile = ctx.var("b", math.prod(g.batch)), ctx.var("tile", g.tiles)
-    i0 = mul(tile, g.rows)
+    b, group = ctx.var("b", math.prod(g.batch)), ctx.var("group", g.groups)
+    tile = ctx.var("tile", g.per_group)
+    i0 = mul(add(mul(group, g.per_group), tile), g.rows)
     batch = Index(g.batch, flat=b)
 
     def at(tensor: str, row: Expr, col: Expr) -> Expr:
@@ -174,29 +183,18 @@ def fused_attention(ctx: StageCtx, chain: AttentionChain) -> None:
         ir.DeclArray(ot, dtype, g.dv_pad * g.rows_pad),
         ir.DeclArray(mx, dtype, g.rows_pad), ir.DeclArray(sm, dtype, g.rows_pad)]
 
-    # K in panels of mr key positions: kp[(panel·d + k)·mr + r] = K[panel·mr + r, k]
-    kpanel, k, r = ctx.var("kpn", g.n_pad // uk.mr), ctx.var("kk", g.d), ctx.var("r", uk.mr)
-    key = add(mul(kpanel, uk.mr), r)
-    body.append(ir.Loop(kpanel, iconst(0), iconst(g.n_pad // uk.mr), [
-        ir.Loop(k, iconst(0), iconst(g.d), [
-            ir.Loop(r, iconst(0), iconst(uk.mr), [ir.ArrayStore(
-                kp, add(mul(add(mul(kpanel, g.d), k), uk.mr), r),
-                zero_past(key, g.n, lambda j: at(first.inputs[1], k, j)))], simd=True)])]))
-    # V in panels of mr value columns: vp[(panel·n + j)·mr + r] = V[j, panel·mr + r]
-    vpanel, j, r2 = ctx.var("vpn", g.dv_pad // uk.mr), ctx.var("j", g.n), ctx.var("r", uk.mr)
-    column = add(mul(vpanel, uk.mr), r2)
-    body.append(ir.Loop(vpanel, iconst(0), iconst(g.dv_pad // uk.mr), [
-        ir.Loop(j, iconst(0), iconst(g.n), [
-            ir.Loop(r2, iconst(0), iconst(uk.mr), [ir.ArrayStore(
-                vp, add(mul(add(mul(vpanel, g.n), j), uk.mr), r2),
-                zero_past(column, g.dv, lambda c: at(second.inputs[1], j, c)))], simd=True)])]))
+    # K in panels of mr key positions, V in panels of mr value columns (the micro-kernel's A)
+    body += _panels(ctx, kp, uk.mr, g.n, g.d, lambda key, k: at(first.inputs[1], k, key), dtype)
+    body += _panels(ctx, vp, uk.mr, g.dv, g.n, lambda col, j: at(second.inputs[1], j, col), dtype)
+    tile_body: list[ir.Stmt] = []
     # Qᵀ of the tile: qt[k·rows_pad + c] = Q[i0 + c, k], zero past the last query row
     k2, c = ctx.var("kk", g.d), ctx.var("c", g.rows_pad)
-    body.append(ir.Loop(k2, iconst(0), iconst(g.d), [ir.Loop(c, iconst(0), iconst(g.rows_pad), [
-        ir.ArrayStore(qt, add(mul(k2, g.rows_pad), c),
-                      zero_past(add(i0, c), g.m, lambda i: at(first.inputs[0], i, k2)))],
-        simd=True)]))
-    body.append(_product(ctx, uk, g.n_pad, g.d, kp, g.d, qt, st, g.rows_pad))
+    tile_body.append(ir.Loop(k2, iconst(0), iconst(g.d), [
+        ir.Loop(c, iconst(0), iconst(g.rows_pad), [
+            ir.ArrayStore(qt, add(mul(k2, g.rows_pad), c),
+                          zero_past(add(i0, c), g.m, lambda i: at(first.inputs[0], i, k2)))],
+                simd=True)]))
+    tile_body.append(_product(ctx, uk, g.n_pad, g.d, kp, g.d, qt, st, g.rows_pad))
 
     # the chain's elementwise ops, column maxima, exponentials and column sums
     c2, j2 = ctx.var("c", g.rows_pad), ctx.var("j", g.n)
@@ -210,22 +208,24 @@ def fused_attention(ctx: StageCtx, chain: AttentionChain) -> None:
         raise Refused(second.id, REFUSAL) from None
     best = array_load(mx, dtype, c2)
     c3 = ctx.var("c", g.rows_pad)
-    body.append(ir.Loop(c3, iconst(0), iconst(g.rows_pad), [
+    tile_body.append(ir.Loop(c3, iconst(0), iconst(g.rows_pad), [
         ir.ArrayStore(mx, c3, const(-math.inf, dtype)), ir.ArrayStore(sm, c3, const(0, dtype))],
         simd=True))
-    s = local(ctx.name("sc"), dtype)
-    body.append(ir.Loop(j2, iconst(0), iconst(g.n), [ir.Loop(c2, iconst(0), iconst(g.rows_pad), [
-        ir.Let(s, score), ir.ArrayStore(st, slot, s),
-        ir.ArrayStore(mx, c2, select(make("gt", BOOL, (s, best)), s, best))], simd=True)]))
+    s = local(ctx.name("sc"), dtype)  # the score after the chain's elementwise ops
+    tile_body.append(ir.Loop(j2, iconst(0), iconst(g.n), [
+        ir.Loop(c2, iconst(0), iconst(g.rows_pad), [
+            ir.Let(s, score), ir.ArrayStore(st, slot, s),
+            ir.ArrayStore(mx, c2, select(make("gt", BOOL, (s, best)), s, best))], simd=True)]))
     c4, j3 = ctx.var("c", g.rows_pad), ctx.var("j", g.n)
     slot3 = add(mul(j3, g.rows_pad), c4)
     e = local(ctx.name("e"), dtype)
-    body.append(ir.Loop(j3, iconst(0), iconst(g.n), [ir.Loop(c4, iconst(0), iconst(g.rows_pad), [
-        ir.Let(e, call("exp", dtype, binary("sub", array_load(st, dtype, slot3),
-                                            array_load(mx, dtype, c4)))),
-        ir.ArrayStore(st, slot3, e),
-        ir.ArrayStore(sm, c4, binary("add", array_load(sm, dtype, c4), e))], simd=True)]))
-    body.append(_product(ctx, uk, g.dv_pad, g.n, vp, g.n, st, ot, g.rows_pad))
+    tile_body.append(ir.Loop(j3, iconst(0), iconst(g.n), [
+        ir.Loop(c4, iconst(0), iconst(g.rows_pad), [
+            ir.Let(e, call("exp", dtype, binary("sub", array_load(st, dtype, slot3),
+                                                array_load(mx, dtype, c4)))),
+            ir.ArrayStore(st, slot3, e),
+            ir.ArrayStore(sm, c4, binary("add", array_load(sm, dtype, c4), e))], simd=True)]))
+    tile_body.append(_product(ctx, uk, g.dv_pad, g.n, vp, g.n, st, ot, g.rows_pad))
 
     # O[i, :] = Oᵀ[:, i - i0] / sum[i - i0], through the second MatMul's epilogue (i ranges over
     # the query rows, so that the epilogue's index maps simplify as the packed GEMM's do)
@@ -234,16 +234,48 @@ def fused_attention(ctx: StageCtx, chain: AttentionChain) -> None:
     inverse = local(ctx.name("inv"), dtype)
     value = binary("mul", array_load(ot, dtype, add(mul(dv, g.rows_pad), c5)), inverse)
     out_index = Index(ctx.out().shape, flat=add(mul(add(mul(b, g.m), i), g.dv), dv))
-    body.append(ir.Loop(i, i0, imin(add(i0, g.rows), iconst(g.m)), [
+    tile_body.append(ir.Loop(i, i0, imin(add(i0, g.rows), iconst(g.m)), [
         ir.Let(inverse, binary("div", const(1, dtype), array_load(sm, dtype, c5))),
         ir.Loop(dv, iconst(0), iconst(g.dv), ctx.results({0: (out_index, value)}), simd=True)]))
 
+    last_tile = imin(iconst(g.per_group), sub(iconst(g.tiles), mul(group, g.per_group)))
+    body.append(ir.Loop(tile, iconst(0), last_tile, tile_body))
+
     ctx.stage(f"fused attention ({', '.join(chain.op_ids)})",
               [ir.Loop(b, iconst(0), iconst(math.prod(g.batch)),
-                       [ir.Loop(tile, iconst(0), iconst(g.tiles), body)], parallel=1, grain="one")],
-              g.items * g.rows_pad * g.n * (g.d + g.dv))
+                       [ir.Loop(group, iconst(0), iconst(g.groups), body)], parallel=1,
+                       grain="one")],
+              math.prod(g.batch) * g.tiles * g.rows_pad * g.n * (g.d + g.dv))
     ctx.info.update(form="fused attention", micro_kernel=f"{uk.mr}x{uk.nr}", rows=g.rows,
                     tiles=g.tiles, items=g.items)
+
+
+def _panels(ctx: StageCtx, name: str, mr: int, extent: int, depth: int,
+            value: Callable[[Expr, Expr], Expr], dtype: str) -> list[ir.Stmt]:
+    """name[(panel·depth + k)·mr + r] = value(panel·mr + r, k), zero past `extent`: whole panels
+    first, then the last partial one (so that no read is clamped and the loads stay contiguous
+    along r)."""
+    full, rest = divmod(extent, mr)
+    panel, k, r = ctx.var("pn", max(full, 1)), ctx.var("kk", depth), ctx.var("r", mr)
+
+    def at(panel_start: Expr, r_var: Expr) -> Expr:
+        return add(mul(add(mul(panel_start, depth), k), mr), r_var)
+
+    stmts: list[ir.Stmt] = []
+    if full:
+        stmts.append(ir.Loop(panel, iconst(0), iconst(full), [ir.Loop(k, iconst(0), iconst(depth), [
+            ir.Loop(r, iconst(0), iconst(mr), [
+                ir.ArrayStore(name, at(panel, r), value(add(mul(panel, mr), r), k))],
+                simd=True)])]))
+    if rest:
+        last = iconst(full)
+        r_in, r_out = ctx.var("r", rest), ctx.var("r", mr - rest, rest)
+        stmts.append(ir.Loop(k, iconst(0), iconst(depth), [
+            ir.Loop(r_in, iconst(0), iconst(rest), [
+                ir.ArrayStore(name, at(last, r_in), value(add(full * mr, r_in), k))], simd=True),
+            ir.Loop(r_out, iconst(rest), iconst(mr), [
+                ir.ArrayStore(name, at(last, r_out), const(0, dtype))], simd=True)]))
+    return stmts
 
 
 def _product(ctx: StageCtx, uk, m_pad: int, kc: int, a: str, a_k: int, b: str, c: str,
