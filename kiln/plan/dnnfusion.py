@@ -106,11 +106,10 @@ class _Planning:
     def seed_chain(self, op_ids: tuple[str, ...]) -> None:
         """An attention chain as one seed block, grown from each of its ops."""
         ops = [self.graph.op_by_id[i] for i in op_ids]
-        self.block, self.mapping = {op_ids[0]}, ops[0].mapping
+        self.block, self.mapping = {op_ids[0]}, MappingType.MANY_TO_MANY
         for op in ops[1:]:
             self.decisions.append(Decision(self.block_label(), op.id, True, "attention chain"))
             self.block.add(op.id)
-        self.mapping = MappingType.MANY_TO_MANY
         for op in ops:
             self.grow(op)
         self.commit()

@@ -32,7 +32,7 @@ ERROR_BYTES = 1024
 # user chose: PASSIVE (sleep at once). libgomp's default spins first, and a spinning worker that
 # the OS deschedules holds every barrier of the run hostage: on a loaded 2-core machine Swin-T
 # (124 kernels) ran in 13–16 s per call with the default, 8 s with GOMP_SPINCOUNT=30000, 1 s with
-# 3000 and 0.13–0.5 s with PASSIVE (bench/runtime_overhead.py). The runner sets the same.
+# 3000 and 0.13–0.5 s with PASSIVE (`kiln bench`, 15 runs each). The runner sets the same.
 OPENMP_WAIT = {"OMP_WAIT_POLICY": "PASSIVE"}
 USER_WAIT_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
