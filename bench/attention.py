@@ -37,7 +37,6 @@ from bench.latency import (  # noqa: E402
     BenchModel,
     contenders,
     interleaved_medians,
-    kiln_artifact,
     max_diff,
     work_folder,
 )
