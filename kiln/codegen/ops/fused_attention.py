@@ -1,13 +1,14 @@
 """Fused attention: an attention chain (`kiln.plan.chains`: MatMul → elementwise ops → Softmax over
 the last axis → MatMul) as one stage, row tile by row tile, with the scores of a tile in L1.
 
-A work item is one batch element (batch · heads) and one tile of query rows. It computes the
+A work item is one batch element (batch · heads) and a group of tiles of query rows (several
+groups per element only when there are fewer than MIN_ITEMS elements). It computes the
 transposed products, so that the softmax runs down the columns of the scores (vertical vector
 operations, no horizontal reductions) and both products read their right operand in place:
 
 * pack K into panels of `mr` key positions and V into panels of `mr` value columns (local arrays,
   once per item; the chain's prologue — a Transpose, a Reshape, a scale — evaluated there);
-* Qᵀ of the tile into a local array, `nr`-padded columns (zero past the last query row);
+* per row tile: Qᵀ of the tile into a local array, `nr`-padded columns (zero past the last query row);
 * Sᵀ = K · Qᵀ with the backend's GEMM micro-kernel, no packing of the scores;
 * the elementwise ops of the chain (scale, bias, mask: any One-to-One ops the block fuses) on
   each score, the column maxima, exp(s − max) in place and the column sums;
