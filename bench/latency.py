@@ -21,6 +21,7 @@ outside the zoo (bench/unseen.py; `unseen` for all of them, `zoo` for the zoo) a
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -34,15 +35,21 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.peers import openvino_call, ort_session
-from bench.zoo import MODELS, ensure_model, make_inputs
-from kiln import frontend
-from kiln.errors import KilnError
-from kiln.pipeline import CompileOptions, compile_artifact
-from kiln.profile.local import default_store
-from kiln.runtime.artifact import TensorInfo, open_artifact
-from kiln.runtime.inputs import random_inputs
-from kiln.runtime.loader import CompiledModel
+from kiln.runtime.loader import openmp_wait_environment  # noqa: E402
+
+# torch (bench.zoo exports models with it) loads its libgomp.so.1 before any artifact, and the
+# artifacts' kernels then share it: give it the wait policy Kiln's loader gives its own.
+os.environ.update(openmp_wait_environment())
+
+from bench.peers import openvino_call, ort_session  # noqa: E402
+from bench.zoo import MODELS, ensure_model, make_inputs  # noqa: E402
+from kiln import frontend  # noqa: E402
+from kiln.errors import KilnError  # noqa: E402
+from kiln.pipeline import CompileOptions, compile_artifact  # noqa: E402
+from kiln.profile.local import default_store  # noqa: E402
+from kiln.runtime.artifact import TensorInfo, open_artifact  # noqa: E402
+from kiln.runtime.inputs import random_inputs  # noqa: E402
+from kiln.runtime.loader import CompiledModel  # noqa: E402
 
 PARTITIONERS = ("dnnfusion", "none")
 PEERS = ("ort", "ov")

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.latency import bench_models, kiln_artifact, work_folder, zoo_arguments  # noqa: E402
 from kiln.runtime.artifact import open_artifact  # noqa: E402
 from kiln.runtime.execute import run_runner  # noqa: E402
-from kiln.runtime.toolchain import BASE_FLAGS, compiler_for  # noqa: E402
+from kiln.runtime.toolchain import compiler_for  # noqa: E402
 from kiln.target import target  # noqa: E402
 
 FORK_JOIN_C = r"""
@@ -75,7 +75,8 @@ def fork_join_ns(threads: int, reps: int = 20000) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="kiln-forkjoin-") as tmp:
         source, binary = Path(tmp) / "forkjoin.c", Path(tmp) / "forkjoin"
         source.write_text(FORK_JOIN_C)
-        subprocess.run([compiler.command, *BASE_FLAGS, *compiler.flags, "-static", str(source), "-o", str(binary)],
+        subprocess.run([compiler.command, *compiler.flags, "-static", str(source), "-o",
+                        str(binary), *compiler.link_flags, *compiler.libraries],
                        check=True, capture_output=True, text=True)
         done = subprocess.run([str(binary), str(threads), str(reps)], check=True,
                               capture_output=True, text=True)

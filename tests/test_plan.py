@@ -115,7 +115,7 @@ def test_without_relaxation_dnnfusion_never_fuses_red_pairs(graph, seed):
 def test_red_pairs_fuse_only_through_a_named_relaxation(graph, seed):
     plan = partitioner("dnnfusion")(graph, RandomLatencies(seed))
     allowed = {"green", "yellow", "yellow: tiny intermediate", "yellow: row-local ops over the same rows",
-               "green: epilogue rather than prologue"}
+               "green: epilogue rather than prologue", "attention chain"}
     # a yellow verdict says in parentheses what it rested on (measured, cost-model, ...)
     assert {d.reason.split(" (")[0] for d in plan.decisions if d.fused} <= allowed
 
@@ -132,6 +132,29 @@ def test_row_local_many_to_many_ops_fuse_and_the_paper_mode_refuses():
     store = RandomLatencies(0)
     assert partitioner("dnnfusion")(graph, store).kernels == 1
     assert DNNFusion(Constraints(relax_red=False))(graph, store).kernels == 2
+
+
+def test_an_attention_chain_stays_in_one_block():
+    """QKᵀ → scale → Softmax → ·V with Q, K and V projected from one input: the chain is one
+    block whatever the store says (its second MatMul is not taken by the block that projects V,
+    as a prologue)."""
+    shapes = {"x": (16, 32), "wq": (32, 8), "wk": (32, 8), "wv": (32, 8), "c": (),
+              "q": (16, 8), "k": (16, 8), "kt": (8, 16), "v": (16, 8), "s": (16, 16),
+              "sc": (16, 16), "p": (16, 16), "o": (16, 8)}
+    constants = {w: np.ones((32, 8), np.float32) for w in ("wq", "wk", "wv")}
+    constants["c"] = np.array(0.5, np.float32)
+    graph = ecg([("MatMul", ["x", "wq"], ["q"]), ("MatMul", ["x", "wk"], ["k"]),
+                 ("MatMul", ["x", "wv"], ["v"]), ("Transpose", ["k"], ["kt"]),
+                 ("MatMul", ["q", "kt"], ["s"]), ("Mul", ["s", "c"], ["sc"]),
+                 ("Softmax", ["sc"], ["p"]), ("MatMul", ["p", "v"], ["o"])],
+                shapes, ["x"], ["o"], constants)
+    chain = ("op4", "op5", "op6", "op7")
+    for store in (RandomLatencies(0), RandomLatencies(1)):
+        plan = partitioner("dnnfusion")(graph, store)
+        block = next(b for b in plan.blocks if "op6" in b.op_ids)
+        assert set(chain) <= set(block.op_ids)
+        assert [d.second for d in plan.decisions if d.reason == "attention chain"] == ["op5", "op6",
+                                                                                      "op7"]
 
 
 def test_row_tiles_must_keep_their_operands_in_cache():

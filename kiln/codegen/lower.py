@@ -51,12 +51,14 @@ from kiln.codegen.epilogue import Path, find_path, forward_index
 from kiln.codegen.expr import Expr, const, iconst, load, local, var, walk
 from kiln.codegen import intensive
 from kiln.codegen.indexing import Index
+from kiln.codegen.ops import fused_attention as attention
 from kiln.codegen.ops import lowering
 from kiln.codegen.passes import finish_stage
 from kiln.codegen.reduction import reduction_phase
 from kiln.codegen.schedule import Schedule
 from kiln.ecg import Graph, Op, Tensor
 from kiln.plan import Block
+from kiln.plan.chains import AttentionChain, chain_from
 
 SCRATCH_ALIGN = 64
 MAX_ATTEMPTS = 256
@@ -256,11 +258,19 @@ class BlockLowering:
         open_row: RowStage | None = None
         pending: list[str] = []
         pairs = self._intensive_pairs()
-        deferred = {pair.up.id for pair in pairs.values()}
+        chains = self._attention_chains()
+        skipped = ({pair.up.id for pair in pairs.values()}  # computed tile by tile in its pair
+                   | {op_id for chain in chains.values() for op_id in chain.op_ids[:-1]})
         for op in self.ops:
-            if op.id in deferred:
-                continue  # computed tile by tile inside its pair's stage
+            if op.id in skipped:
+                continue
             kind = lowering(op.op_type).kind
+            if op.id in chains:
+                self._close(open_row, pending)
+                open_row, pending = None, []
+                chain = chains[op.id]
+                self._anchor(op, lambda ctx: attention.fused_attention(ctx, chain))
+                continue
             if kind == "inline":
                 pending += [t for t in op.outputs if t in self.must_store]
                 continue
@@ -288,10 +298,27 @@ class BlockLowering:
     def _mark_ready(self) -> None:
         self.ready |= self.assigned
 
-    def _anchor(self, op: Op) -> None:
+    def _attention_chains(self) -> dict[str, AttentionChain]:
+        """The block's attention chains that run as one fused stage, by their last op: whole in
+        the block, their intermediate results needed by nothing else, and not refused before."""
+        chains: dict[str, AttentionChain] = {}
+        taken: set[str] = set()
+        for op in self.ops:
+            chain = chain_from(self.graph, op)
+            if (chain is None or not set(chain.op_ids) <= self.members - taken
+                    or (chain.weighted, attention.REFUSAL) in self.refused
+                    or any(t in self.must_store for i in chain.op_ids[:-1]
+                           for t in self.graph.op_by_id[i].outputs)
+                    or attention.check(self.graph, chain, self.schedule) is not None):
+                continue
+            chains[chain.weighted] = chain
+            taken |= set(chain.op_ids)
+        return chains
+
+    def _anchor(self, op: Op, lower: Callable[[StageCtx], None] | None = None) -> None:
         fused = self._epilogue_candidates(op)
         ctx = StageCtx(self, op, fused)
-        lowering(op.op_type).lower(ctx)
+        (lower or lowering(op.op_type).lower)(ctx)
         ctx.attach_info()
         self.assigned |= {t for t in op.outputs if t in self.must_store}
         self._mark_ready()

@@ -25,6 +25,12 @@ nest thrashes registers and cache) does not hold:
     `tiny_bytes`, the kernel keeps it in a small scratch buffer (squeeze-and-excite chains:
     GlobalAveragePool → 1×1 Conv → 1×1 Conv on [1, C, 1, 1]).
 
+Attention chains (`kiln.plan.chains`: QKᵀ → scale/bias/mask → Softmax → ·V) seed blocks before
+everything else, each chain whole, then grow like any seed: the fused attention lowering runs a
+chain with the scores of a row tile in L1, which no split of it can (the scores and the
+probabilities would go through memory, and the second contraction would be absorbed by the block
+that produces V, as a prologue). No other block may take an op of a chain.
+
 Constraints (chosen for 2-thread CPUs with AVX2's 16 vector registers and 1–2 MB of L2):
   * at most 16 values live at once while a block's data-flow tree is evaluated, so a vectorised
     fused loop keeps its temporaries in the 16 ymm registers instead of spilling;
@@ -42,6 +48,7 @@ from kiln.mapping import MappingType, Verdict, fuse_types
 from kiln.ops import RowLocality, op_info
 from kiln.plan import Decision, FusionPlan, register_partitioner
 from kiln.plan.blocks import build_plan
+from kiln.plan.chains import attention_chains
 from kiln.profile import COST_MODEL, MEASURED, Estimate, ProfileStore
 
 
@@ -81,22 +88,43 @@ class _Planning:
         self.block: set[str] = set()
         self.mapping = MappingType.ONE_TO_ONE
         self._latency: dict[tuple[frozenset[str], bool], Estimate] = {}
+        self.chains = attention_chains(graph)
+        self.chain_ops = {op_id for chain in self.chains for op_id in chain.op_ids}
 
     def run(self, name: str) -> FusionPlan:
+        for chain in self.chains:
+            self.seed_chain(chain.op_ids)
         while (seed := self.next_seed()) is not None:
             self.block, self.mapping = {seed.id}, seed.mapping
             if not _is_opaque(seed) or _is_recurrent(seed):
-                for successor in self.graph.successors(seed):
-                    self.fuse_successor(successor)
-                for predecessor in self.graph.predecessors(seed):
-                    self.fuse_predecessor(predecessor)
-            self.assigned |= self.block
-            self.group_of.update((op_id, len(self.groups)) for op_id in self.block)
-            self.groups.append(self.block)
+                self.grow(seed)
+            self.commit()
         if self.constraints.prefer_epilogues:
             self.prefer_epilogues()
         groups = [g for g in self.groups if g]
         return build_plan(self.graph, groups, name, self.decisions, self.yellow_lookups)
+
+    def seed_chain(self, op_ids: tuple[str, ...]) -> None:
+        """An attention chain as one seed block, grown from each of its ops."""
+        ops = [self.graph.op_by_id[i] for i in op_ids]
+        self.block, self.mapping = {op_ids[0]}, MappingType.MANY_TO_MANY
+        for op in ops[1:]:
+            self.decisions.append(Decision(self.block_label(), op.id, True, "attention chain"))
+            self.block.add(op.id)
+        for op in ops:
+            self.grow(op)
+        self.commit()
+
+    def grow(self, seed: Op) -> None:
+        for successor in self.graph.successors(seed):
+            self.fuse_successor(successor)
+        for predecessor in self.graph.predecessors(seed):
+            self.fuse_predecessor(predecessor)
+
+    def commit(self) -> None:
+        self.assigned |= self.block
+        self.group_of.update((op_id, len(self.groups)) for op_id in self.block)
+        self.groups.append(self.block)
 
     # Step 1 ------------------------------------------------------------------------------
     def next_seed(self) -> Op | None:
@@ -140,6 +168,10 @@ class _Planning:
     def try_add(self, op: Op, fused: tuple[MappingType, Verdict], creates_cycle: bool,
                 crossing: list[str]) -> bool:
         if op.id in self.block or op.id in self.assigned:
+            return False
+        if op.id in self.chain_ops:
+            self.decisions.append(Decision(self.block_label(), op.id, False,
+                                           "constraint: part of an attention chain"))
             return False
         mapping, verdict = fused
         relaxed = self.relaxation(op, crossing) if verdict is Verdict.RED else None

@@ -13,6 +13,7 @@ serialised (it owns one arena); each call is a single native call into the libra
 from __future__ import annotations
 
 import ctypes
+import os
 import platform
 import threading
 import weakref
@@ -27,6 +28,13 @@ from kiln.runtime.artifact import Artifact, ArtifactError, TensorInfo, open_arti
 from kiln.target import host_target
 
 ERROR_BYTES = 1024
+# How OpenMP's worker threads wait between parallel regions (one region per kernel), unless the
+# user chose: PASSIVE (sleep at once). libgomp's default spins first, and a spinning worker that
+# the OS deschedules holds every barrier of the run hostage: on a loaded 2-core machine Swin-T
+# (124 kernels) ran in 13–16 s per call with the default, 8 s with GOMP_SPINCOUNT=30000, 1 s with
+# 3000 and 0.13–0.5 s with PASSIVE (`kiln bench`, 15 runs each). The runner sets the same.
+OPENMP_WAIT = {"OMP_WAIT_POLICY": "PASSIVE"}
+USER_WAIT_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
 class CompiledModel:
@@ -35,7 +43,7 @@ class CompiledModel:
         self.artifact = artifact
         self.inputs: tuple[TensorInfo, ...] = artifact.inputs
         self.outputs: tuple[TensorInfo, ...] = artifact.outputs
-        self._lib = _bind(ctypes.CDLL(str(artifact.library)))
+        self._lib = _bind(_load_library(artifact.library))
         error = ctypes.create_string_buffer(ERROR_BYTES)
         handle = self._lib.kiln_model_create(str(artifact.weights).encode(), error, ERROR_BYTES)
         if not handle:
@@ -137,6 +145,24 @@ def check_input(info: TensorInfo, value: Any) -> np.ndarray:
         raise KilnError(f"input {info.name!r} must be {info.describe()}, got "
                         f"{array.dtype.name} {list(array.shape)}")
     return np.ascontiguousarray(array)
+
+
+def openmp_wait_environment() -> dict[str, str]:
+    """The variables that give OpenMP's workers Kiln's wait policy: none if the user chose one."""
+    return {} if any(name in os.environ for name in USER_WAIT_SETTINGS) else dict(OPENMP_WAIT)
+
+
+def _load_library(path: Path) -> ctypes.CDLL:
+    """The artifact's library, with Kiln's wait policy for the OpenMP runtime it loads (libgomp
+    reads the environment once, when it is loaded; the process's environment is restored
+    afterwards). A libgomp.so.1 another library loaded first (torch's) keeps its own policy."""
+    extra = openmp_wait_environment()
+    os.environ.update(extra)
+    try:
+        return ctypes.CDLL(str(path))
+    finally:
+        for name in extra:
+            os.environ.pop(name, None)
 
 
 def _pointers(arrays: Sequence[np.ndarray]) -> ctypes.Array:

@@ -22,6 +22,10 @@
  * the runner's code and the C runtime; it is left out where /proc cannot be read. Not getrusage's
  * ru_maxrss: Linux carries that over exec from the process that forked the runner.
  * Exit status: 0 on success, 2 for bad arguments or input files, 1 when the model fails.
+ *
+ * OpenMP's worker threads sleep between parallel regions (OMP_WAIT_POLICY=PASSIVE) unless
+ * OMP_WAIT_POLICY or GOMP_SPINCOUNT is set: a spinning worker the OS deschedules stalls every
+ * kernel's barrier on a loaded machine (see OPENMP_WAIT in kiln/runtime/loader.py).
  */
 #include "kiln_model.h"
 
@@ -73,6 +77,13 @@ static void *alloc_buffer(size_t nbytes) {
     void *p = aligned_alloc(64, (nbytes + 63u) / 64u * 64u + 64u);
     if (!p) die(1, "out of memory allocating %zu bytes", nbytes);
     return p;
+}
+
+/* Runs before libgomp's own constructor reads the environment (a lower priority number runs
+ * first, and libgomp's constructor has none). */
+__attribute__((constructor(101))) static void default_wait_policy(void) {
+    if (!getenv("OMP_WAIT_POLICY") && !getenv("GOMP_SPINCOUNT"))
+        setenv("OMP_WAIT_POLICY", "PASSIVE", 0);
 }
 
 /* ---- .npy files --------------------------------------------------------------------------- */

@@ -1,0 +1,291 @@
+"""Fused attention: an attention chain (`kiln.plan.chains`: MatMul → elementwise ops → Softmax over
+the last axis → MatMul) as one stage, row tile by row tile, with the scores of a tile in L1.
+
+A work item is one batch element (batch · heads) and a group of tiles of query rows (several
+groups per element only when there are fewer than MIN_ITEMS elements). It computes the
+transposed products, so that the softmax runs down the columns of the scores (vertical vector
+operations, no horizontal reductions) and both products read their right operand in place:
+
+* pack K into panels of `mr` key positions and V into panels of `mr` value columns (local arrays,
+  once per item; the chain's prologue — a Transpose, a Reshape, a scale — evaluated there);
+* per row tile: Qᵀ of the tile into a local array, `nr`-padded columns (zero past the last query row);
+* Sᵀ = K · Qᵀ with the backend's GEMM micro-kernel, no packing of the scores;
+* the elementwise ops of the chain (scale, bias, mask: any One-to-One ops the block fuses) on
+  each score, the column maxima, exp(s − max) in place and the column sums;
+* Oᵀ = Vᵀ · Sᵀ with the same micro-kernel, reading the exponentials where they are;
+* O[i, :] = Oᵀ[:, i] / sum[i] through the second MatMul's fused epilogue (the output Transpose
+  and Reshape) into the outputs.
+
+Padded query columns hold finite values that no result reads (each column of Oᵀ depends on its
+own column of Sᵀ only), and padded key rows are never summed over (the second product runs over
+the real key positions). The lowering reads the chain's ops by their record where it can; it
+handles the MatMul/Softmax form and leaves every other chain to the ordinary stages.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from kiln.codegen import ir
+from kiln.codegen.contexts import NeedsBuffer, NotFusable, Provided, Refused, StageCtx
+from kiln.codegen.expr import (
+    BOOL,
+    Expr,
+    add,
+    array_load,
+    binary,
+    call,
+    const,
+    iconst,
+    imin,
+    local,
+    index_compare,
+    make,
+    mul,
+    select,
+    sub,
+)
+from kiln.codegen.gemm.blocking import round_up
+from kiln.codegen.microkernel import MicroKernel, tile_for
+from kiln.codegen.indexing import Index, broadcast
+from kiln.codegen.ops.registry import lowering
+from kiln.codegen.schedule import Schedule
+from kiln.ecg import Graph, Op
+from kiln.plan.chains import AttentionChain
+
+FLOATS = ("float32", "float64")
+SCORES_BYTES = 32 * 1024  # a tile's scores stay within a 32 KiB L1 data cache
+STACK_BYTES = 384 * 1024  # every local array of one work item (one thread's stack)
+MIN_ITEMS = 8  # work items wanted before row tiles shrink below what L1 allows
+REFUSAL = "fused attention"  # the (op, tensor) key a failed trial leaves in the block's refusals
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Scores [*batch, m, n] = Q [*, m, d] · Kᵀ [*, d, n]; out [*batch, m, dv] = P · V [*, n, dv];
+    row tiles of `rows` query rows (`rows_pad` with the micro-kernel's column padding), `groups`
+    work items per batch element of `per_group` tiles each (K and V packed once per item)."""
+
+    batch: tuple[int, ...]
+    m: int
+    n: int
+    d: int
+    dv: int
+    n_pad: int
+    dv_pad: int
+    rows: int
+    rows_pad: int
+    tiles: int
+    groups: int
+
+    @property
+    def per_group(self) -> int:
+        return -(-self.tiles // self.groups)
+
+    @property
+    def items(self) -> int:
+        return math.prod(self.batch) * self.groups
+
+    def stack_elements(self) -> int:
+        return (self.n_pad * self.d + self.dv_pad * self.n + self.d * self.rows_pad
+                + (self.n_pad + self.dv_pad + 2) * self.rows_pad)
+
+
+def chain_ops(graph: Graph, chain: AttentionChain) -> list[Op]:
+    return [graph.op_by_id[i] for i in chain.op_ids]
+
+
+def geometry(graph: Graph, chain: AttentionChain, schedule: Schedule) -> Geometry:
+    first, *_, second = chain_ops(graph, chain)
+    scores = graph.tensors[first.outputs[0]].shape
+    q = graph.tensors[first.inputs[0]].shape
+    dv = graph.tensors[second.outputs[0]].shape[-1]
+    dtype = graph.tensors[first.outputs[0]].dtype
+    uk = micro_kernel_for(schedule, dtype)
+    m, n = scores[-2:]
+    itemsize = np.dtype(dtype).itemsize
+    n_pad = round_up(n, uk.mr)
+    rows_pad = round_up(m, uk.nr)
+    while rows_pad > uk.nr and n_pad * rows_pad * itemsize > SCORES_BYTES:
+        rows_pad -= uk.nr
+    batch = math.prod(scores[:-2])
+    while batch * -(-m // rows_pad) < MIN_ITEMS and rows_pad > uk.nr:
+        rows_pad -= uk.nr
+    tiles = -(-m // rows_pad)
+    rows = -(-m // tiles)  # the same number of rows in every tile
+    groups = min(tiles, -(-MIN_ITEMS // max(batch, 1)))
+    return Geometry(tuple(scores[:-2]), m, n, q[-1], dv, n_pad, round_up(dv, uk.mr), rows,
+                    round_up(rows, uk.nr), tiles, groups)
+
+
+def micro_kernel_for(schedule: Schedule, dtype: str) -> MicroKernel:
+    """The packed GEMM's micro-kernel (`kiln.codegen.gemm.packed.micro_kernel`)."""
+    return tile_for((), dtype, schedule.vector_bytes, schedule.gemm_mr, schedule.gemm_nr)
+
+
+def check(graph: Graph, chain: AttentionChain, schedule: Schedule) -> str | None:
+    """Why the chain cannot run as a fused attention stage, or None."""
+    first, *between, normaliser, second = chain_ops(graph, chain)
+    if first.op_type != "MatMul" or second.op_type != "MatMul" or normaliser.op_type != "Softmax":
+        return "not a MatMul → Softmax → MatMul chain"
+    operands = [graph.tensors[t] for t in (first.inputs[0], first.inputs[1], second.inputs[1])]
+    if any(len(t.shape) < 2 for t in operands):
+        return "a vector operand"
+    dtypes = {t.dtype for t in operands} | {graph.tensors[first.outputs[0]].dtype}
+    if len(dtypes) != 1 or not dtypes <= set(FLOATS) or schedule.vector_bytes <= 0:
+        return "not one floating-point dtype with a vector micro-kernel"
+    view = lowering(normaliser.op_type).view(normaliser, graph)
+    if view.axes != (len(view.shape) - 1,):
+        return "softmax not over the last axis"
+    g = geometry(graph, chain, schedule)
+    if min(g.m, g.n, g.d, g.dv) == 0:
+        return "empty"
+    if g.stack_elements() * np.dtype(dtypes.pop()).itemsize > STACK_BYTES:
+        return "keys and values of one head do not fit a thread's stack"
+    return None
+
+
+def fused_attention(ctx: StageCtx, chain: AttentionChain) -> None:
+    """The chain as one stage; `ctx` is the second MatMul's (its outputs and epilogue)."""
+    graph = ctx.graph
+    first, *_, normaliser, second = chain_ops(graph, chain)
+    g = geometry(graph, chain, ctx.schedule)
+    dtype = ctx.out().dtype
+    uk = micro_kernel_for(ctx.schedule, dtype)
+    read = ctx.builder.value
+    shape_of = {t: graph.tensors[t].shape for t in (first.inputs[0], first.inputs[1],
+                                                     second.inputs[1], first.outputs[0])}
+
+    b, group = ctx.var("b", math.prod(g.batch)), ctx.var("group", g.groups)
+    tile = ctx.var("tile", g.per_group)
+    i0 = mul(add(mul(group, g.per_group), tile), g.rows)
+    batch = Index(g.batch, flat=b)
+
+    def at(tensor: str, row: Expr, col: Expr) -> Expr:
+        shape = shape_of[tensor]
+        lead = broadcast(batch, shape[:-2])
+        return read(tensor, Index(shape, dims=[*lead.dims, row, col]))
+
+    def zero_past(position: Expr, extent: int, value_at) -> Expr:
+        """value_at(position) below `extent`, zero past it (the read clamped inside)."""
+        if position.range[1] < extent:
+            return value_at(position)
+        inside = value_at(imin(position, iconst(extent - 1)))
+        return select(index_compare("lt", position, extent), inside, const(0, dtype))
+
+    names = {key: ctx.name(key) for key in ("kp", "vp", "qt", "st", "ot", "mx", "sm")}
+    kp, vp, qt, st, ot, mx, sm = names.values()
+    body: list[ir.Stmt] = [
+        ir.DeclArray(kp, dtype, g.n_pad * g.d), ir.DeclArray(vp, dtype, g.dv_pad * g.n),
+        ir.DeclArray(qt, dtype, g.d * g.rows_pad), ir.DeclArray(st, dtype, g.n_pad * g.rows_pad),
+        ir.DeclArray(ot, dtype, g.dv_pad * g.rows_pad),
+        ir.DeclArray(mx, dtype, g.rows_pad), ir.DeclArray(sm, dtype, g.rows_pad)]
+
+    # K in panels of mr key positions, V in panels of mr value columns (the micro-kernel's A)
+    body += _panels(ctx, kp, uk.mr, g.n, g.d, lambda key, k: at(first.inputs[1], k, key), dtype)
+    body += _panels(ctx, vp, uk.mr, g.dv, g.n, lambda col, j: at(second.inputs[1], j, col), dtype)
+    tile_body: list[ir.Stmt] = []
+    # Qᵀ of the tile: qt[k·rows_pad + c] = Q[i0 + c, k], zero past the last query row
+    k2, c = ctx.var("kk", g.d), ctx.var("c", g.rows_pad)
+    tile_body.append(ir.Loop(k2, iconst(0), iconst(g.d), [
+        ir.Loop(c, iconst(0), iconst(g.rows_pad), [
+            ir.ArrayStore(qt, add(mul(k2, g.rows_pad), c),
+                          zero_past(add(i0, c), g.m, lambda i: at(first.inputs[0], i, k2)))],
+                simd=True)]))
+    tile_body.append(_product(ctx, uk, g.n_pad, g.d, kp, g.d, qt, st, g.rows_pad))
+
+    # the chain's elementwise ops, column maxima, exponentials and column sums
+    c2, j2 = ctx.var("c", g.rows_pad), ctx.var("j", g.n)
+    row = imin(add(i0, c2), iconst(g.m - 1))  # padded columns repeat the last row's reads
+    slot = add(mul(j2, g.rows_pad), c2)
+    scores_index = Index(shape_of[first.outputs[0]], dims=[*batch.dims, row, j2])
+    held = Provided(scores_index.flat, array_load(st, dtype, slot))
+    try:
+        score = ctx.low.builder({first.outputs[0]: held}).value(normaliser.inputs[0], scores_index)
+    except (NotFusable, NeedsBuffer):
+        raise Refused(second.id, REFUSAL) from None
+    best = array_load(mx, dtype, c2)
+    c3 = ctx.var("c", g.rows_pad)
+    tile_body.append(ir.Loop(c3, iconst(0), iconst(g.rows_pad), [
+        ir.ArrayStore(mx, c3, const(-math.inf, dtype)), ir.ArrayStore(sm, c3, const(0, dtype))],
+        simd=True))
+    s = local(ctx.name("sc"), dtype)  # the score after the chain's elementwise ops
+    tile_body.append(ir.Loop(j2, iconst(0), iconst(g.n), [
+        ir.Loop(c2, iconst(0), iconst(g.rows_pad), [
+            ir.Let(s, score), ir.ArrayStore(st, slot, s),
+            ir.ArrayStore(mx, c2, select(make("gt", BOOL, (s, best)), s, best))], simd=True)]))
+    c4, j3 = ctx.var("c", g.rows_pad), ctx.var("j", g.n)
+    slot3 = add(mul(j3, g.rows_pad), c4)
+    e = local(ctx.name("e"), dtype)
+    tile_body.append(ir.Loop(j3, iconst(0), iconst(g.n), [
+        ir.Loop(c4, iconst(0), iconst(g.rows_pad), [
+            ir.Let(e, call("exp", dtype, binary("sub", array_load(st, dtype, slot3),
+                                                array_load(mx, dtype, c4)))),
+            ir.ArrayStore(st, slot3, e),
+            ir.ArrayStore(sm, c4, binary("add", array_load(sm, dtype, c4), e))], simd=True)]))
+    tile_body.append(_product(ctx, uk, g.dv_pad, g.n, vp, g.n, st, ot, g.rows_pad))
+
+    # O[i, :] = Oᵀ[:, i - i0] / sum[i - i0], through the second MatMul's epilogue (i ranges over
+    # the query rows, so that the epilogue's index maps simplify as the packed GEMM's do)
+    i, dv = ctx.var("i", g.m), ctx.var("dv", g.dv)
+    c5 = sub(i, i0)
+    inverse = local(ctx.name("inv"), dtype)
+    value = binary("mul", array_load(ot, dtype, add(mul(dv, g.rows_pad), c5)), inverse)
+    out_index = Index(ctx.out().shape, flat=add(mul(add(mul(b, g.m), i), g.dv), dv))
+    tile_body.append(ir.Loop(i, i0, imin(add(i0, g.rows), iconst(g.m)), [
+        ir.Let(inverse, binary("div", const(1, dtype), array_load(sm, dtype, c5))),
+        ir.Loop(dv, iconst(0), iconst(g.dv), ctx.results({0: (out_index, value)}), simd=True)]))
+
+    last_tile = imin(iconst(g.per_group), sub(iconst(g.tiles), mul(group, g.per_group)))
+    body.append(ir.Loop(tile, iconst(0), last_tile, tile_body))
+
+    ctx.stage(f"fused attention ({', '.join(chain.op_ids)})",
+              [ir.Loop(b, iconst(0), iconst(math.prod(g.batch)),
+                       [ir.Loop(group, iconst(0), iconst(g.groups), body)], parallel=1,
+                       grain="one")],
+              math.prod(g.batch) * g.tiles * g.rows_pad * g.n * (g.d + g.dv))
+    ctx.info.update(form="fused attention", micro_kernel=f"{uk.mr}x{uk.nr}", rows=g.rows,
+                    tiles=g.tiles, items=g.items)
+
+
+def _panels(ctx: StageCtx, name: str, mr: int, extent: int, depth: int,
+            value: Callable[[Expr, Expr], Expr], dtype: str) -> list[ir.Stmt]:
+    """name[(panel·depth + k)·mr + r] = value(panel·mr + r, k), zero past `extent`: whole panels
+    first, then the last partial one (so that no read is clamped and the loads stay contiguous
+    along r)."""
+    full, rest = divmod(extent, mr)
+    panel, k, r = ctx.var("pn", max(full, 1)), ctx.var("kk", depth), ctx.var("r", mr)
+
+    def at(panel_start: Expr, r_var: Expr) -> Expr:
+        return add(mul(add(mul(panel_start, depth), k), mr), r_var)
+
+    stmts: list[ir.Stmt] = []
+    if full:
+        stmts.append(ir.Loop(panel, iconst(0), iconst(full), [ir.Loop(k, iconst(0), iconst(depth), [
+            ir.Loop(r, iconst(0), iconst(mr), [
+                ir.ArrayStore(name, at(panel, r), value(add(mul(panel, mr), r), k))],
+                simd=True)])]))
+    if rest:
+        last = iconst(full)
+        r_in, r_out = ctx.var("r", rest), ctx.var("r", mr - rest, rest)
+        stmts.append(ir.Loop(k, iconst(0), iconst(depth), [
+            ir.Loop(r_in, iconst(0), iconst(rest), [
+                ir.ArrayStore(name, at(last, r_in), value(add(full * mr, r_in), k))], simd=True),
+            ir.Loop(r_out, iconst(rest), iconst(mr), [
+                ir.ArrayStore(name, at(last, r_out), const(0, dtype))], simd=True)]))
+    return stmts
+
+
+def _product(ctx: StageCtx, uk, m_pad: int, kc: int, a: str, a_k: int, b: str, c: str,
+             ld: int) -> ir.Loop:
+    """C[m_pad × ld] = A · B with the micro-kernel: A in panels of mr rows × `a_k` (the sum),
+    B and C row-major with `ld` columns, whole micro-tiles."""
+    jp, ip = ctx.var("jp", ld // uk.nr), ctx.var("ip", m_pad // uk.mr)
+    call_ = ir.MicroKernelCall(uk, iconst(kc), a, mul(ip, uk.mr * a_k), b, mul(jp, uk.nr), ld,
+                               c, add(mul(ip, uk.mr * ld), mul(jp, uk.nr)), ld,
+                               const(False, BOOL))
+    return ir.Loop(jp, iconst(0), iconst(ld // uk.nr),
+                   [ir.Loop(ip, iconst(0), iconst(m_pad // uk.mr), [call_])])
