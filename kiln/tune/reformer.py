@@ -70,7 +70,7 @@ def tune_by_parts(plan: FusionPlan, target: Target, store: ProfileStore, mode: s
     for block in plan.blocks:
         parts[block.id] = split(graph, block, store) if is_complicated(graph, block) else []
     if mode in ("off", "reuse") or not any(parts.values()):  # reuse measures nothing to split
-        return tune_plan(plan, target, store, mode, budget, threads, log, on_progress, farm)
+        return tune_plan(plan, target, store, mode, budget_s, threads, log, on_progress, farm)
     groups = [p for block in plan.blocks for p in (parts[block.id] or [list(block.op_ids)])]
     minis = build_plan(graph, groups, f"{plan.partitioner} (split)")
     first = tune_plan(minis, target, store, mode, budget * SPLIT_SHARE, threads, log, on_progress,
