@@ -97,4 +97,4 @@ def partitioner(name: str) -> Partitioner:
 
 
 def _load_partitioners() -> None:
-    from kiln.plan import dnnfusion, fixed, none  # noqa: F401  (each registers itself)
+    from kiln.plan import dnnfusion, fixed, none, souffle  # noqa: F401  (each registers itself)

@@ -1,0 +1,290 @@
+"""Souffle's horizontal transformation (§6.1) as a graph transformation: independent TEs that read
+the same input become one TE whose output is their outputs concatenated.
+
+For contractions with a constant operand (MatMul and Gemm over weights, Conv with group 1) that
+read the same activation — BERT's Q, K and V projections, parallel 1×1 branches of a convnet —
+the weights are concatenated into one constant and one contraction computes every branch; each
+branch's result is a Slice of the merged output, a one-relies-on-one TE whose map is an offset
+(`IndexMap` with c = the branch's start), so a consumer in the same kernel reads the merged
+buffer in place. Elementwise TEs that follow every branch alike (a bias Add, a Relu) are merged
+too, their constant operands concatenated along the same axis, so the slices come after them.
+
+The result is an ordinary ECG (ONNX-equivalent: `kiln.rewrite.export.to_onnx` runs it) whose
+model inputs and outputs are unchanged; every tensor a branch produced keeps its id, now the
+output of its Slice, so nothing downstream changes.
+
+What is concatenated where is op-specific (a contraction's output-channel axis), so each op type
+that can be merged registers it (`@concatenable`), as the code generator registers lowerings.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from kiln.ecg import Graph, Op, Tensor
+from kiln.mapping import MappingType
+from kiln.ops import annotate
+
+
+@dataclass(frozen=True)
+class Concat:
+    """How branches of one op type concatenate: the constant input and its axis that grow with
+    the output, an optional 1-D bias input, and the output axis."""
+
+    weight: int
+    weight_axis: int
+    bias: int | None
+    out_axis: int
+
+
+_RULES: dict[str, Callable[[Op, Graph], Concat | None]] = {}
+
+
+def concatenable(op_type: str):
+    def register(rule: Callable[[Op, Graph], Concat | None]):
+        _RULES[op_type] = rule
+        return rule
+    return register
+
+
+@concatenable("MatMul")
+def _matmul(op: Op, graph: Graph) -> Concat | None:
+    b = graph.tensors[op.inputs[1]]
+    a = graph.tensors[op.inputs[0]]
+    if not b.is_constant or len(b.shape) != 2 or len(a.shape) < 2:
+        return None
+    return Concat(weight=1, weight_axis=1, bias=None, out_axis=len(a.shape) - 1)
+
+
+@concatenable("Gemm")
+def _gemm(op: Op, graph: Graph) -> Concat | None:
+    if not graph.is_constant(op.inputs[1]):
+        return None
+    bias = op.inputs[2] if len(op.inputs) > 2 else None
+    if bias is not None and (not graph.is_constant(bias) or len(graph.tensors[bias].shape) != 1):
+        return None
+    return Concat(weight=1, weight_axis=0 if op.attrs.get("transB", 0) else 1,
+                  bias=2 if bias is not None else None, out_axis=1)
+
+
+@concatenable("Conv")
+def _conv(op: Op, graph: Graph) -> Concat | None:
+    if int(op.attrs.get("group", 1)) != 1 or not graph.is_constant(op.inputs[1]):
+        return None
+    bias = op.inputs[2] if len(op.inputs) > 2 else None
+    if bias is not None and not graph.is_constant(bias):
+        return None
+    return Concat(weight=1, weight_axis=0, bias=2 if bias is not None else None, out_axis=1)
+
+
+@dataclass(frozen=True)
+class Merge:
+    """One horizontal transformation: the branch ops replaced, and what replaced them."""
+
+    branches: tuple[tuple[str, ...], ...]  # per branch: its contraction, then merged epilogue ops
+    merged: tuple[str, ...]  # ids of the new ops (merged contraction, epilogues, slices)
+
+
+def horizontal_transform(graph: Graph) -> tuple[Graph, list[Merge]]:
+    """The graph with every group of mergeable sibling contractions merged (see module doc)."""
+    merges: list[Merge] = []
+    while True:
+        group = _next_group(graph, {op for m in merges for op in m.merged})
+        if group is None:
+            return graph, merges
+        graph, merge = _merge(graph, group)
+        merges.append(merge)
+
+
+def _signature(op: Op, graph: Graph, rule: Concat) -> tuple:
+    weight = graph.tensors[op.inputs[rule.weight]]
+    others = tuple(None if t is None or i in (rule.weight, rule.bias) else t
+                   for i, t in enumerate(op.inputs))
+    kept = tuple(n for i, n in enumerate(weight.shape) if i != rule.weight_axis)
+    return (op.op_type, repr(sorted(op.attrs.items())), others, kept, weight.dtype,
+            rule.bias is None)
+
+
+def _next_group(graph: Graph, done: set[str]) -> list[Op] | None:
+    """Sibling contractions with the same attributes reading the same activation. They depend
+    only on that activation and constants, so none can depend on another: they are independent."""
+    groups: dict[tuple, list[Op]] = {}
+    for op in graph.ops:
+        rule = _RULES.get(op.op_type)
+        if op.id in done or rule is None or len(op.outputs) != 1:
+            continue
+        found = rule(op, graph)
+        if found is not None and not graph.is_constant(op.inputs[0]):
+            groups.setdefault(_signature(op, graph, found), []).append(op)
+    return next((ops for ops in groups.values() if len(ops) > 1), None)
+
+
+class _Ids:
+    """Fresh tensor and op ids past the graph's own (`t12`, `op7`)."""
+
+    def __init__(self, graph: Graph):
+        def top(names, prefix):
+            return max((int(m.group(1)) for n in names
+                        if (m := re.fullmatch(prefix + r"(\d+)", n))), default=-1) + 1
+        self.tensor = top(graph.tensors, "t")
+        self.op = top((op.id for op in graph.ops), "op")
+
+    def next_tensor(self) -> str:
+        self.tensor += 1
+        return f"t{self.tensor - 1}"
+
+    def next_op(self) -> str:
+        self.op += 1
+        return f"op{self.op - 1}"
+
+
+def _merge(graph: Graph, group: list[Op]) -> tuple[Graph, Merge]:
+    rule = _RULES[group[0].op_type](group[0], graph)
+    assert rule is not None
+    ids = _Ids(graph)
+    tensors = dict(graph.tensors)
+    first = group[0]
+    out_axis = rule.out_axis
+    widths = [graph.tensors[op.outputs[0]].shape[out_axis] for op in group]
+
+    weight = _constant(tensors, ids, np.concatenate(
+        [graph.tensors[op.inputs[rule.weight]].data for op in group], axis=rule.weight_axis), first)
+    inputs = list(first.inputs)
+    inputs[rule.weight] = weight
+    if rule.bias is not None:
+        inputs[rule.bias] = _constant(tensors, ids, np.concatenate(
+            [graph.tensors[op.inputs[rule.bias]].data for op in group]), first)
+    out = tensors[first.outputs[0]]
+    merged_shape = tuple(sum(widths) if d == out_axis else n for d, n in enumerate(out.shape))
+    current = _tensor(tensors, ids, merged_shape, out.dtype)
+    new_ops = [Op(ids.next_op(), first.op_type, tuple(inputs), (current,), dict(first.attrs),
+                  source_name=first.source_name)]
+
+    branches = [[op] for op in group]
+    tails = [op.outputs[0] for op in group]
+    while (step := _common_epilogue(graph, tails, out_axis)) is not None:
+        ops, constants = step
+        merged_inputs = []
+        for i, t in enumerate(ops[0].inputs):
+            if t == tails[0]:
+                merged_inputs.append(current)
+            elif t is None:
+                merged_inputs.append(None)
+            else:
+                merged_inputs.append(constants[i] if constants[i] is None else
+                                     _constant(tensors, ids, constants[i], ops[0]))
+        shape = tuple(sum(widths) if d == out_axis else n
+                      for d, n in enumerate(graph.tensors[ops[0].outputs[0]].shape))
+        current = _tensor(tensors, ids, shape, graph.tensors[ops[0].outputs[0]].dtype)
+        new_ops.append(Op(ids.next_op(), ops[0].op_type, tuple(merged_inputs), (current,),
+                          dict(ops[0].attrs), source_name=ops[0].source_name))
+        for branch, op in zip(branches, ops):
+            branch.append(op)
+        tails = [op.outputs[0] for op in ops]
+
+    axes = _constant(tensors, ids, np.array([out_axis], np.int64))
+    start = 0
+    for tail, width in zip(tails, widths):
+        starts = _constant(tensors, ids, np.array([start], np.int64))
+        ends = _constant(tensors, ids, np.array([start + width], np.int64))
+        new_ops.append(Op(ids.next_op(), "Slice", (current, starts, ends, axes), (tail,)))
+        start += width
+
+    removed = {op.id for branch in branches for op in branch}
+    position = min(graph.order[op.id] for op in group)
+    kept = [op for op in graph.ops if op.id not in removed]
+    at = sum(1 for op in graph.ops[:position] if op.id not in removed)
+    draft = Graph(tensors, kept[:at] + new_ops + kept[at:], graph.inputs, graph.outputs,
+                  graph.opset, graph.name)
+    annotated = {op.id: annotate(op, draft) for op in new_ops}
+    ops = [annotated.get(op.id, op) for op in draft.ops]
+    result = _drop_unused_constants(Graph(tensors, ops, graph.inputs, graph.outputs, graph.opset,
+                                          graph.name))
+    merge = Merge(tuple(tuple(op.id for op in branch) for branch in branches),
+                  tuple(op.id for op in new_ops))
+    return result, merge
+
+
+def _common_epilogue(graph: Graph, tails: list[str], axis: int
+                     ) -> tuple[list[Op], list[np.ndarray | None | str]] | None:
+    """The elementwise op every branch applies next to its result alike, with its inputs as they
+    become in the merged op (constants concatenated along `axis`), or None."""
+    ops = []
+    for tail in tails:
+        readers = graph.consumers(tail)
+        if tail in graph.outputs or len(readers) != 1:
+            return None
+        ops.append(readers[0])
+    first = ops[0]
+    if (first.mapping not in (MappingType.ONE_TO_ONE, MappingType.ONE_TO_MANY)
+            or any(op.op_type != first.op_type or op.attrs != first.attrs
+                   or len(op.inputs) != len(first.inputs) or len(op.outputs) != 1 for op in ops)):
+        return None
+    rank = len(graph.tensors[tails[0]].shape)
+    merged: list[np.ndarray | None | str] = []
+    for i in range(len(first.inputs)):
+        names = [op.inputs[i] for op in ops]
+        if all(t == tail for t, tail in zip(names, tails)):
+            merged.append("tail")
+        elif all(t is None for t in names):
+            merged.append(None)
+        elif all(graph.is_constant(t) for t in names):
+            data = _concatenated([graph.tensors[t].data for t in names], tails, graph, axis, rank)
+            if data is None:
+                return None
+            merged.append(data)
+        else:
+            return None
+    if any(graph.tensors[op.outputs[0]].shape != graph.tensors[t].shape
+           for op, t in zip(ops, tails)):
+        return None
+    return ops, merged
+
+
+def _concatenated(arrays: list[np.ndarray], tails: list[str], graph: Graph, axis: int,
+                  rank: int) -> np.ndarray | None:
+    """The branches' constant operands as one, broadcast like each branch's: equal constants that
+    do not vary along `axis` stay one; otherwise each is widened to its branch's extent there."""
+    if any(a.ndim > rank for a in arrays):
+        return None
+    padded = [a.reshape((1,) * (rank - a.ndim) + a.shape) for a in arrays]
+    if all(p.shape[axis] == 1 for p in padded) and all(
+            p.shape == padded[0].shape and np.array_equal(p, padded[0]) for p in padded):
+        return arrays[0]
+    widened = []
+    for p, tail in zip(padded, tails):
+        width = graph.tensors[tail].shape[axis]
+        if p.shape[axis] not in (1, width):
+            return None
+        shape = list(p.shape)
+        shape[axis] = width
+        widened.append(np.broadcast_to(p, shape))
+    if any(w.shape[:axis] + w.shape[axis + 1:] != widened[0].shape[:axis] + widened[0].shape[axis + 1:]
+           for w in widened):
+        return None
+    return np.ascontiguousarray(np.concatenate(widened, axis=axis))
+
+
+def _constant(tensors: dict[str, Tensor], ids: _Ids, data: np.ndarray, like: Op | None = None
+              ) -> str:
+    t = ids.next_tensor()
+    data = np.ascontiguousarray(data)
+    tensors[t] = Tensor(t, tuple(data.shape), data.dtype.name,
+                        f"horizontal {like.source_name}" if like else "horizontal", data)
+    return t
+
+
+def _tensor(tensors: dict[str, Tensor], ids: _Ids, shape: tuple[int, ...], dtype: str) -> str:
+    t = ids.next_tensor()
+    tensors[t] = Tensor(t, shape, dtype, "horizontal")
+    return t
+
+
+def _drop_unused_constants(graph: Graph) -> Graph:
+    used = {t for op in graph.ops for t in op.present_inputs()} | set(graph.inputs) | set(
+        graph.outputs) | {t for op in graph.ops for t in op.outputs}
+    tensors = {t: v for t, v in graph.tensors.items() if t in used}
+    return Graph(tensors, graph.ops, graph.inputs, graph.outputs, graph.opset, graph.name)
