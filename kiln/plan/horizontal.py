@@ -19,14 +19,14 @@ that can be merged registers it (`@concatenable`), as the code generator registe
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import numpy as np
 
 from kiln.ecg import Graph, Op, Tensor
 from kiln.mapping import MappingType
-from kiln.ops import annotate
+from kiln.ops import annotate, op_info
 
 
 @dataclass(frozen=True)
@@ -217,7 +217,7 @@ def _common_epilogue(graph: Graph, tails: list[str], axis: int
         readers = graph.consumers(tail)
         if tail in graph.outputs or len(readers) != 1:
             return None
-        ops.append(readers[0])
+        ops.append(_tail_first_like(readers[0], tail, readers[0] if not ops else ops[0], tails[0]))
     first = ops[0]
     if (first.mapping not in (MappingType.ONE_TO_ONE, MappingType.ONE_TO_MANY)
             or any(op.op_type != first.op_type or op.attrs != first.attrs
@@ -242,6 +242,15 @@ def _common_epilogue(graph: Graph, tails: list[str], axis: int
            for op, t in zip(ops, tails)):
         return None
     return ops, merged
+
+
+def _tail_first_like(op: Op, tail: str, first: Op, first_tail: str) -> Op:
+    """`op` with its two operands swapped when it is symmetric and reads its branch's result at
+    another position than the first branch's op does (a rewrite may have ordered them apart)."""
+    if (len(op.inputs) == 2 and op_info(op.op_type).symmetric and first_tail in first.inputs
+            and op.inputs.index(tail) != first.inputs.index(first_tail)):
+        return replace(op, inputs=op.inputs[::-1])
+    return op
 
 
 def _concatenated(arrays: list[np.ndarray], tails: list[str], graph: Graph, axis: int,

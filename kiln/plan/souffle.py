@@ -104,7 +104,32 @@ class _Partitioning:
                     self.decisions.append(Decision(self.label(), op.id, True, self.join_reason(op)))
             self.current.append(op.id)
         self.close()
+        self.move_index_maps_to_consumers()
         return self.groups
+
+    def move_index_maps_to_consumers(self) -> None:
+        """A one-relies-on-one TE that only moves data (no arithmetic, a quasi-affine map) and
+        whose results are all read by one later subprogram is composed into that subprogram's
+        reads instead of being stored by its own (§6.2): e.g. the slices, reshapes and transposes
+        of a horizontally merged Q/K/V projection become index maps of the attention kernel's
+        operand reads, and the merged result is the only buffer. Moving a TE to a later
+        subprogram that alone reads it keeps the plan acyclic: its inputs come from earlier ones."""
+        graph, program = self.graph, self.program
+        group_of = {op_id: gi for gi, g in enumerate(self.groups) for op_id in g}
+        for gi in reversed(range(len(self.groups))):
+            for op_id in reversed(list(self.groups[gi])):
+                op = graph.op_by_id[op_id]
+                if not _moves_data(program, op) or any(t in graph.outputs for t in op.outputs):
+                    continue
+                readers = {group_of[c.id] for t in op.outputs for c in graph.consumers(t)}
+                if len(readers) != 1 or (target := readers.pop()) <= gi:
+                    continue
+                self.groups[gi].remove(op_id)
+                self.groups[target].append(op_id)
+                group_of[op_id] = target
+                self.decisions.append(Decision(op_id, graph.consumers(op.outputs[0])[0].id, True,
+                                               "vertical: index map read by its consumers"))
+        self.groups = [g for g in self.groups if g]
 
     def close(self) -> None:
         if self.current:
@@ -134,6 +159,13 @@ class _Partitioning:
         if self.program.compute_intensive(op):
             return "resource: fits the cache with the subprogram"
         return "memory-intensive TE: takes its producer's schedule"
+
+
+def _moves_data(program: TEProgram, op: Op) -> bool:
+    exprs = program.by_op.get(op.id, ())
+    return bool(exprs) and all(te.dependence is Dependence.ONE_RELIES_ON_ONE and te.arithmetic == 0
+                               and te.maps and all(m is not None for m in te.maps.values())
+                               for te in exprs)
 
 
 def _own_kernel(op: Op) -> bool:
