@@ -140,3 +140,19 @@ def test_partition_points_are_compute_intensive_and_follow_the_cache():
     assert all(d.reason.startswith("resource") for d in splits)
     opaque = sum(op_info(op.op_type).opaque for op in graph.ops)
     assert roomy.kernels <= 1 + opaque < tight.kernels
+
+
+def test_the_slices_of_a_merged_projection_are_index_maps_of_their_readers():
+    """§6.2: the Q/K/V slices (and the reshapes and transposes after them) move no data of their
+    own: they run in the kernel that reads them, which reads the merged result in place (a cache
+    of one byte makes every compute-intensive TE a partition point)."""
+    graph = frontend.load(ZOO / "bert-base.onnx")
+    plan = Souffle(Resources(cache_bytes=1))(graph, RandomLatencies(0))
+    g = plan.graph
+    slices = [op for op in g.ops if op.op_type == "Slice"]
+    assert slices
+    for op in slices:
+        merged = g.producer(op.inputs[0])
+        readers = {plan.block_of[c.id] for c in g.consumers(op.outputs[0])}
+        assert readers == {plan.block_of[op.id]}
+        assert plan.block_of[merged.id] != plan.block_of[op.id]
