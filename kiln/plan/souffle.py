@@ -23,10 +23,11 @@ synchronisation and their intermediates stay on chip. A Kiln kernel is a sequenc
 loop nests joined by the barrier at the end of each (the global sync); every core is always
 resident, so the constraint that remains is the on-chip one: what a subprogram keeps between its
 stages, plus the working set of the compute-intensive TE being added, must fit the cache —
-  * resident bytes: the results of one-relies-on-many TEs of the subprogram that later TEs of
-    it still read (they live in scratch between barriers, like Souffle's shared memory), plus
-    the TE's working set: its constant operands, which every row tile re-reads, and one row
-    tile (`row_tile` rows) of its activations and result — like an occupancy per block;
+  * resident bytes while the compute-intensive TE being added runs: the results of
+    one-relies-on-many TEs of the subprogram that it or later TEs still read (they live in
+    scratch between barriers, like Souffle's shared memory), plus its working set: its constant
+    operands, which every row tile re-reads, and one row tile (`row_tile` rows) of its
+    activations and result — like the occupancy of a block;
   * capacity: a 1 MiB L2 (`cache_bytes`), the per-core L2 of the 2-thread x86 machines Kiln
     targets; registers bound the code generator's own tiles, not the partition;
   * a subprogram holds at most `max_ops` ops, which bounds generated-code size and compile time
@@ -193,25 +194,21 @@ def bfs_order(graph: Graph, program: TEProgram) -> list[Op]:
 
 def resident_bytes(graph: Graph, program: TEProgram, members: list[str],
                    resources: Resources) -> int:
-    """Peak bytes a subprogram keeps on chip (see the module docstring)."""
+    """Bytes on chip while the last TE of `members` runs (see the module docstring): the results
+    of earlier one-relies-on-many TEs that it or no earlier TE was the last to read, plus its own
+    working set. Earlier TEs' working sets are gone by then: each stage ends at a barrier."""
+    *before, last = members
     inside = set(members)
     remaining = {t: sum(1 for c in graph.consumers(t) if c.id in inside)
-                 for op_id in members for t in graph.op_by_id[op_id].outputs}
-    live: dict[str, int] = {}
-    peak = 0
-    for op_id in members:
-        op = graph.op_by_id[op_id]
-        for t in op.present_inputs():
+                 for op_id in before for t in graph.op_by_id[op_id].outputs}
+    for op_id in before:
+        for t in graph.op_by_id[op_id].present_inputs():
             if t in remaining:
                 remaining[t] -= 1
-                if remaining[t] <= 0:
-                    live.pop(t, None)
-        working = working_set(graph, op, resources) if program.compute_intensive(op) else 0
-        peak = max(peak, sum(live.values()) + working)
-        for te in program.by_op.get(op_id, ()):
-            if te.dependence is Dependence.ONE_RELIES_ON_MANY and remaining.get(te.output, 0) > 0:
-                live[te.output] = graph.tensors[te.output].nbytes
-    return peak
+    live = sum(graph.tensors[te.output].nbytes for op_id in before
+               for te in program.by_op.get(op_id, ())
+               if te.dependence is Dependence.ONE_RELIES_ON_MANY and remaining[te.output] > 0)
+    return live + working_set(graph, graph.op_by_id[last], resources)
 
 
 def working_set(graph: Graph, op: Op, resources: Resources) -> int:

@@ -7,7 +7,11 @@ and the analysis the Souffle partitioner works from:
   a TE with reduction axes is *one-relies-on-many*, described by the extents of its reduction
   axes and the region of each input it reads (`Region`);
 * §5.3 characterisation: compute- or memory-intensive by the ratio of arithmetic operations to
-  tensor elements read and written (threshold 3, the paper's);
+  tensor elements read and written (threshold 3, the paper's). The operations are the op's FLOPs
+  from its record, which weigh a transcendental function or a normalisation's statistics as 8
+  per element; so Gelu, Exp or LayerNormalization, one op in Kiln but several one-op TEs in
+  Souffle, come out compute-intensive (on a CPU a vectorised erf is tens of instructions). They
+  are partition candidates then, but with a row tile as working set they rarely split;
 * §5.1 reuse: the tensors read by more than one TE, split into spatial reuse (the TEs are
   independent: horizontal transformation, §6.1) and temporal reuse (one depends on the other);
 * §6.2 vertical composition: `IndexMap.then` composes the maps of a chain of one-relies-on-one
