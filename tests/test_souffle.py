@@ -156,3 +156,20 @@ def test_the_slices_of_a_merged_projection_are_index_maps_of_their_readers():
         readers = {plan.block_of[c.id] for c in g.consumers(op.outputs[0])}
         assert readers == {plan.block_of[op.id]}
         assert plan.block_of[merged.id] != plan.block_of[op.id]
+
+
+def test_an_op_that_mixes_in_other_elements_has_no_map():
+    """Pad's border and Concat's second input come from elsewhere: not a reindexing of the input
+    (a pad value of 0 must not pass for element 0)."""
+    graph = ecg([("Pad", ["a", "pads"], ["b"]), ("Concat", ["a", "c"], ["d"])],
+                {"a": (2, 3), "pads": (4,), "b": (2, 5), "c": (2, 3), "d": (4, 3)},
+                ["a", "c"], ["b", "d"], constants={"pads": np.array([0, 1, 0, 1])})
+    graph.op_by_id["op1"].attrs["axis"] = 0
+    program = lower_program(graph)
+    assert program.exprs["b"].maps == {"a": None}
+    assert program.exprs["d"].maps == {"a": None, "c": None}
+
+
+def test_rank_zero_maps_fit():
+    scalar = fit(np.array([[1, 2]]).reshape(2), (), (3, 4))
+    assert scalar.offset == (1, 2) and scalar.apply(()) == (1, 2)

@@ -26,7 +26,7 @@ import numpy as np
 
 from kiln.ecg import Graph, Op, Tensor
 from kiln.mapping import MappingType
-from kiln.ops import annotate, op_info
+from kiln.ops import ShapeRule, ValueFlow, annotate, op_info
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,9 @@ def _conv(op: Op, graph: Graph) -> Concat | None:
     if bias is not None and not graph.is_constant(bias):
         return None
     return Concat(weight=1, weight_axis=0, bias=2 if bias is not None else None, out_axis=1)
+
+
+_BROADCASTING = (ShapeRule.BROADCAST, ShapeRule.COMPARE, ShapeRule.SELECT)
 
 
 @dataclass(frozen=True)
@@ -219,10 +222,15 @@ def _common_epilogue(graph: Graph, tails: list[str], axis: int
             return None
         ops.append(_tail_first_like(readers[0], tail, readers[0] if not ops else ops[0], tails[0]))
     first = ops[0]
+    info = op_info(first.op_type)
     if (first.mapping not in (MappingType.ONE_TO_ONE, MappingType.ONE_TO_MANY)
+            or info.value_flow is not ValueFlow.NONE or info.opaque
             or any(op.op_type != first.op_type or op.attrs != first.attrs
                    or len(op.inputs) != len(first.inputs) or len(op.outputs) != 1 for op in ops)):
         return None
+    # Operands of a broadcasting op are elements to concatenate; any other op's constants are
+    # parameters (Clip's bounds, a LeakyRelu's slope) that every branch must share.
+    elementwise_operands = info.shape_rule in _BROADCASTING
     rank = len(graph.tensors[tails[0]].shape)
     merged: list[np.ndarray | None | str] = []
     for i in range(len(first.inputs)):
@@ -232,7 +240,13 @@ def _common_epilogue(graph: Graph, tails: list[str], axis: int
         elif all(t is None for t in names):
             merged.append(None)
         elif all(graph.is_constant(t) for t in names):
-            data = _concatenated([graph.tensors[t].data for t in names], tails, graph, axis, rank)
+            arrays = [graph.tensors[t].data for t in names]
+            if elementwise_operands:
+                data = _concatenated(arrays, tails, graph, axis, rank)
+            else:
+                same = all(a.shape == arrays[0].shape and np.array_equal(a, arrays[0])
+                           for a in arrays)
+                data = arrays[0] if same else None
             if data is None:
                 return None
             merged.append(data)

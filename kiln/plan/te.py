@@ -84,7 +84,7 @@ class IndexMap:
 
     def table(self) -> np.ndarray:
         """The input index of every output element: shape out_shape + (len(in_shape),)."""
-        grid = np.indices(self.domain, dtype=np.int64).reshape(len(self.domain), -1)
+        grid = _grid(self.domain)
         matrix = np.asarray(self.matrix, dtype=np.int64).reshape(len(self.in_shape), -1)
         values = matrix @ grid + np.asarray(self.offset, dtype=np.int64)[:, None]
         return values.T.reshape(*self.out_shape, len(self.in_shape))
@@ -107,6 +107,11 @@ class IndexMap:
 
     def __str__(self) -> str:
         return f"M={[list(r) for r in self.matrix]} c={list(self.offset)} split={list(self.split)}"
+
+
+def _grid(domain: tuple[int, ...]) -> np.ndarray:
+    """Every index of `domain`, one column each (a rank-0 domain has one, empty, index)."""
+    return np.indices(domain, dtype=np.int64).reshape(len(domain), math.prod(domain))
 
 
 def _matrix(m: IndexMap) -> np.ndarray:
@@ -154,7 +159,7 @@ def fit(values: np.ndarray, out_shape: tuple[int, ...], in_shape: tuple[int, ...
             return None
         split.append(digits)
     domain = tuple(f for digits in split for f in digits)
-    refined = np.indices(domain, dtype=np.int64).reshape(len(domain), -1).T
+    refined = _grid(domain).T
     columns = []
     for j in range(len(domain)):
         unit = [0] * len(domain)
@@ -368,12 +373,11 @@ _PROBES: dict[tuple, np.ndarray | None] = {}
 MAX_CACHED_PROBES = 4096
 
 
-def _probe(op: Op, graph: Graph, position: int, source: str) -> np.ndarray | None:
-    """Where each element of output `position` comes from in input `source` (its flat offset;
-    -1 where it comes from elsewhere), by evaluating the op on an input holding its offsets.
-    Results are cached by op type, attributes, shapes and constant inputs."""
+def _probe(op: Op, graph: Graph, position: int, source: str, base: int) -> np.ndarray | None:
+    """Output `position` of the op evaluated with input `source` holding `base` + its offsets and
+    its other runtime inputs zeros. Cached by op type, attributes, shapes and constant inputs."""
     tensors = [graph.tensors[t] if t is not None else None for t in op.inputs]
-    key = (op.op_type, repr(sorted(op.attrs.items())), position, op.inputs.index(source),
+    key = (op.op_type, repr(sorted(op.attrs.items())), position, op.inputs.index(source), base,
            graph.tensors[source].dtype,
            tuple(None if t is None else (t.shape, t.data.tobytes() if t.is_constant and
                                         t.id != source else None) for t in tensors))
@@ -385,11 +389,11 @@ def _probe(op: Op, graph: Graph, position: int, source: str) -> np.ndarray | Non
         if t is None:
             feeds.append(None)
         elif t.id == source:
-            feeds.append(np.arange(t.numel, dtype=dtype).reshape(t.shape))
+            feeds.append((np.arange(t.numel) + base).astype(dtype).reshape(t.shape))
         elif t.is_constant:
             feeds.append(t.data)
         else:
-            feeds.append(np.full(t.shape, -1, dtype=dtype))
+            feeds.append(np.zeros(t.shape, dtype=dtype))
     names = [f"in{i}" if f is not None else "" for i, f in enumerate(feeds)]
     node = node_from(op.op_type, names, [f"out{i}" for i in range(len(op.outputs))], op.attrs)
     try:
@@ -415,11 +419,15 @@ def probe_map(graph: Graph, op: Op, tensor: str, position: int) -> IndexMap | No
                          for t in op.inputs)
     if others_runtime and op_info(op.op_type).value_flow is ValueFlow.FIRST_INPUT:
         return None
-    found = _probe(op, graph, position, tensor)
-    if found is None or found.shape != out.shape or np.any(found < 0):
+    # Two evaluations, the offsets shifted by 1 and by 3: an element that moved with the input
+    # differs by 2 between them; one from elsewhere (a pad value, another input) does not.
+    first, second = (_probe(op, graph, position, tensor, base) for base in (1, 3))
+    if first is None or second is None or first.shape != out.shape or second.shape != out.shape:
         return None
-    offsets = found.astype(np.int64)
-    if np.any(offsets >= max(1, source.numel)):
+    if not np.array_equal(second.astype(np.int64) - first.astype(np.int64), np.full(out.shape, 2)):
+        return None
+    offsets = first.astype(np.int64) - 1
+    if np.any(offsets < 0) or np.any(offsets >= max(1, source.numel)):
         return None
     values = np.stack(np.unravel_index(offsets.reshape(-1), source.shape), axis=-1) \
         if source.shape else np.zeros((offsets.size, 0), np.int64)
