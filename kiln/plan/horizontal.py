@@ -18,7 +18,6 @@ that can be merged registers it (`@concatenable`), as the code generator registe
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -26,7 +25,8 @@ import numpy as np
 
 from kiln.ecg import Graph, Op, Tensor
 from kiln.mapping import MappingType
-from kiln.ops import ShapeRule, ValueFlow, annotate, op_info
+from kiln.ops import ShapeRule, ValueFlow, op_info
+from kiln.rewrite.engine import Work
 
 
 @dataclass(frozen=True)
@@ -125,90 +125,57 @@ def _next_group(graph: Graph, done: set[str]) -> list[Op] | None:
     return next((ops for ops in groups.values() if len(ops) > 1), None)
 
 
-class _Ids:
-    """Fresh tensor and op ids past the graph's own (`t12`, `op7`)."""
-
-    def __init__(self, graph: Graph):
-        def top(names, prefix):
-            return max((int(m.group(1)) for n in names
-                        if (m := re.fullmatch(prefix + r"(\d+)", n))), default=-1) + 1
-        self.tensor = top(graph.tensors, "t")
-        self.op = top((op.id for op in graph.ops), "op")
-
-    def next_tensor(self) -> str:
-        self.tensor += 1
-        return f"t{self.tensor - 1}"
-
-    def next_op(self) -> str:
-        self.op += 1
-        return f"op{self.op - 1}"
-
-
 def _merge(graph: Graph, group: list[Op]) -> tuple[Graph, Merge]:
+    """Replaces the branches of `group` by one op over concatenated constants (and their common
+    epilogues), then a Slice per branch that produces the branch's last tensor under its id.
+    The new ops take the first branch's place in the order (`Work`'s order keys)."""
     rule = _RULES[group[0].op_type](group[0], graph)
     assert rule is not None
-    ids = _Ids(graph)
-    tensors = dict(graph.tensors)
-    first = group[0]
-    out_axis = rule.out_axis
-    widths = [graph.tensors[op.outputs[0]].shape[out_axis] for op in group]
-
-    weight = _constant(tensors, ids, np.concatenate(
-        [graph.tensors[op.inputs[rule.weight]].data for op in group], axis=rule.weight_axis), first)
+    work = Work(graph)
+    first, axis = group[0], rule.out_axis
+    widths = [graph.tensors[op.outputs[0]].shape[axis] for op in group]
     inputs = list(first.inputs)
-    inputs[rule.weight] = weight
+    inputs[rule.weight] = _constant(work, np.concatenate(
+        [graph.tensors[op.inputs[rule.weight]].data for op in group], axis=rule.weight_axis))
     if rule.bias is not None:
-        inputs[rule.bias] = _constant(tensors, ids, np.concatenate(
-            [graph.tensors[op.inputs[rule.bias]].data for op in group]), first)
-    out = tensors[first.outputs[0]]
-    merged_shape = tuple(sum(widths) if d == out_axis else n for d, n in enumerate(out.shape))
-    current = _tensor(tensors, ids, merged_shape, out.dtype)
-    new_ops = [Op(ids.next_op(), first.op_type, tuple(inputs), (current,), dict(first.attrs),
-                  source_name=first.source_name)]
+        inputs[rule.bias] = _constant(work, np.concatenate(
+            [graph.tensors[op.inputs[rule.bias]].data for op in group]))
+    new_ops = [_widened(work, first, inputs, axis, sum(widths))]
 
     branches = [[op] for op in group]
     tails = [op.outputs[0] for op in group]
-    while (step := _common_epilogue(graph, tails, out_axis)) is not None:
-        ops, constants = step
-        merged_inputs = []
-        for i, t in enumerate(ops[0].inputs):
-            if t == tails[0]:
-                merged_inputs.append(current)
-            elif t is None:
-                merged_inputs.append(None)
-            else:
-                merged_inputs.append(constants[i] if constants[i] is None else
-                                     _constant(tensors, ids, constants[i], ops[0]))
-        shape = tuple(sum(widths) if d == out_axis else n
-                      for d, n in enumerate(graph.tensors[ops[0].outputs[0]].shape))
-        current = _tensor(tensors, ids, shape, graph.tensors[ops[0].outputs[0]].dtype)
-        new_ops.append(Op(ids.next_op(), ops[0].op_type, tuple(merged_inputs), (current,),
-                          dict(ops[0].attrs), source_name=ops[0].source_name))
+    while (step := _common_epilogue(graph, tails, axis)) is not None:
+        ops, operands = step
+        inputs = [new_ops[-1].outputs[0] if isinstance(o, str) else
+                  None if o is None else _constant(work, o) for o in operands]
+        new_ops.append(_widened(work, ops[0], inputs, axis, sum(widths)))
         for branch, op in zip(branches, ops):
             branch.append(op)
         tails = [op.outputs[0] for op in ops]
 
-    axes = _constant(tensors, ids, np.array([out_axis], np.int64))
-    start = 0
-    for tail, width in zip(tails, widths):
-        starts = _constant(tensors, ids, np.array([start], np.int64))
-        ends = _constant(tensors, ids, np.array([start + width], np.int64))
-        new_ops.append(Op(ids.next_op(), "Slice", (current, starts, ends, axes), (tail,)))
-        start += width
-
-    removed = {op.id for branch in branches for op in branch}
-    position = min(graph.order[op.id] for op in group)
-    kept = [op for op in graph.ops if op.id not in removed]
-    at = sum(1 for op in graph.ops[:position] if op.id not in removed)
-    draft = Graph(tensors, kept[:at] + new_ops + kept[at:], graph.inputs, graph.outputs,
-                  graph.opset, graph.name)
-    annotated = {op.id: annotate(op, draft) for op in new_ops}
-    ops = [annotated.get(op.id, op) for op in draft.ops]
-    result = _drop_unused_constants(Graph(tensors, ops, graph.inputs, graph.outputs, graph.opset,
-                                          graph.name))
+    merged, axes = new_ops[-1].outputs[0], _constant(work, np.array([axis], np.int64))
+    for tail, start, width in zip(tails, np.cumsum([0, *widths[:-1]]), widths):
+        new_ops.append(Op(work.new_op_id(), "Slice",
+                          (merged, _constant(work, np.array([start], np.int64)),
+                           _constant(work, np.array([start + width], np.int64)), axes), (tail,)))
+    key = work.key[first.id]
+    for op in (op for branch in branches for op in branch):
+        work.remove_op(op.id)
+    for i, op in enumerate(new_ops):
+        work.add_op(op, (*key, i))
     merge = Merge(tuple(tuple(op.id for op in branch) for branch in branches),
                   tuple(op.id for op in new_ops))
-    return result, merge
+    return work.to_graph(), merge
+
+
+def _widened(work: Work, like: Op, inputs: list[str | None], axis: int, width: int) -> Op:
+    """`like` over the merged inputs, its output `width` wide along `axis`."""
+    out = work.tensors[like.outputs[0]]
+    merged = work.new_tensor_id()
+    shape = tuple(width if d == axis else n for d, n in enumerate(out.shape))
+    work.set_tensor(Tensor(merged, shape, out.dtype, "horizontal"))
+    return Op(work.new_op_id(), like.op_type, tuple(inputs), (merged,), dict(like.attrs),
+              source_name=like.source_name)
 
 
 def _common_epilogue(graph: Graph, tails: list[str], axis: int
@@ -232,7 +199,7 @@ def _common_epilogue(graph: Graph, tails: list[str], axis: int
     # parameters (Clip's bounds, a LeakyRelu's slope) that every branch must share.
     elementwise_operands = info.shape_rule in _BROADCASTING
     rank = len(graph.tensors[tails[0]].shape)
-    merged: list[np.ndarray | None | str] = []
+    merged: list[np.ndarray | None | str] = []  # "tail": the merged result so far
     for i in range(len(first.inputs)):
         names = [op.inputs[i] for op in ops]
         if all(t == tail for t, tail in zip(names, tails)):
@@ -291,23 +258,8 @@ def _concatenated(arrays: list[np.ndarray], tails: list[str], graph: Graph, axis
     return np.ascontiguousarray(np.concatenate(widened, axis=axis))
 
 
-def _constant(tensors: dict[str, Tensor], ids: _Ids, data: np.ndarray, like: Op | None = None
-              ) -> str:
-    t = ids.next_tensor()
+def _constant(work: Work, data: np.ndarray) -> str:
+    t = work.new_tensor_id()
     data = np.ascontiguousarray(data)
-    tensors[t] = Tensor(t, tuple(data.shape), data.dtype.name,
-                        f"horizontal {like.source_name}" if like else "horizontal", data)
+    work.set_tensor(Tensor(t, tuple(data.shape), data.dtype.name, "horizontal", data))
     return t
-
-
-def _tensor(tensors: dict[str, Tensor], ids: _Ids, shape: tuple[int, ...], dtype: str) -> str:
-    t = ids.next_tensor()
-    tensors[t] = Tensor(t, shape, dtype, "horizontal")
-    return t
-
-
-def _drop_unused_constants(graph: Graph) -> Graph:
-    used = {t for op in graph.ops for t in op.present_inputs()} | set(graph.inputs) | set(
-        graph.outputs) | {t for op in graph.ops for t in op.outputs}
-    tensors = {t: v for t, v in graph.tensors.items() if t in used}
-    return Graph(tensors, graph.ops, graph.inputs, graph.outputs, graph.opset, graph.name)
