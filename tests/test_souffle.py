@@ -173,3 +173,5 @@ def test_an_op_that_mixes_in_other_elements_has_no_map():
 def test_rank_zero_maps_fit():
     scalar = fit(np.array([[1, 2]]).reshape(2), (), (3, 4))
     assert scalar.offset == (1, 2) and scalar.apply(()) == (1, 2)
+    broadcast_scalar = fit(np.zeros((3, 0), np.int64), (3,), ())  # a scalar read by every element
+    assert broadcast_scalar.matrix == () and broadcast_scalar.apply((2,)) == ()

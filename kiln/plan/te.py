@@ -167,7 +167,7 @@ def fit(values: np.ndarray, out_shape: tuple[int, ...], in_shape: tuple[int, ...
         columns.append(values[tuple(_undigit(unit, split))] - origin)
     matrix = np.stack(columns, axis=1) if columns else np.zeros((len(in_shape), 0), np.int64)
     predicted = refined @ matrix.T + origin
-    if not np.array_equal(predicted, values.reshape(-1, len(in_shape))):
+    if not np.array_equal(predicted, values.reshape(math.prod(out_shape), len(in_shape))):
         return None
     return IndexMap(out_shape, in_shape, tuple(split),
                     tuple(tuple(int(x) for x in row) for row in matrix),
