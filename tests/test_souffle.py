@@ -24,7 +24,8 @@ def numpy_positions(shape, compute) -> np.ndarray:
     """The multi-index in `shape` each output element of `compute(iota)` comes from."""
     iota = np.arange(int(np.prod(shape))).reshape(shape)
     flat = compute(iota)
-    return np.stack(np.unravel_index(flat.reshape(-1), shape), axis=-1).reshape(*flat.shape, len(shape))
+    index = np.stack(np.unravel_index(flat.reshape(-1), shape), axis=-1)
+    return index.reshape(*flat.shape, len(shape))
 
 
 def test_figure_4_chain_composes_to_one_matrix():
@@ -116,7 +117,8 @@ def test_horizontal_merge_matches_onnxruntime(tmp_path):
     assert kinds.count("MatMul") == 1 and kinds.count("Conv") == 1 and kinds.count("Add") == 1
     assert merged.inputs == graph.inputs and merged.outputs == graph.outputs
     rng = np.random.default_rng(2)
-    feeds = {t: rng.standard_normal(graph.tensors[t].shape).astype(np.float32) for t in graph.inputs}
+    feeds = {t: rng.standard_normal(graph.tensors[t].shape).astype(np.float32)
+             for t in graph.inputs}
     for want, got in zip(run_onnxruntime(graph, feeds), run_onnxruntime(merged, feeds)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 

@@ -252,8 +252,8 @@ def _concatenated(arrays: list[np.ndarray], tails: list[str], graph: Graph, axis
         shape = list(p.shape)
         shape[axis] = width
         widened.append(np.broadcast_to(p, shape))
-    if any(w.shape[:axis] + w.shape[axis + 1:] != widened[0].shape[:axis] + widened[0].shape[axis + 1:]
-           for w in widened):
+    others = {w.shape[:axis] + w.shape[axis + 1:] for w in widened}
+    if len(others) > 1:
         return None
     return np.ascontiguousarray(np.concatenate(widened, axis=axis))
 

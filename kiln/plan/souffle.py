@@ -241,10 +241,12 @@ def vertical_decisions(program: TEProgram, groups: list[list[str]]) -> list[Deci
             if len(chain) < 3:
                 continue
             composed = program.chain_map(chain)
-            what = str(composed) if composed is not None else "no quasi-affine map: index expressions"
+            what = str(composed) if composed is not None else \
+                "no quasi-affine map: index expressions"
             first = graph.producer(chain[1])
             found.append(Decision(first.id, op.id, True,
-                                  f"vertical: {len(chain) - 1} one-relies-on-one TEs as one, {what}"))
+                                  f"vertical: {len(chain) - 1} one-relies-on-one TEs as one, "
+                                  f"{what}"))
     return found
 
 

@@ -41,7 +41,7 @@ from kiln.mapping import MappingType
 from kiln.ops import RowLocality, ValueFlow, op_info
 from kiln.rewrite.export import EXPORT_OPSET, node_from
 
-COMPUTE_RATIO = 3.0  # §5.3: below this many operations per element read or written, memory-intensive
+COMPUTE_RATIO = 3.0  # §5.3: fewer operations per element read or written: memory-intensive
 MAX_PROBE_ELEMENTS = 1 << 22  # larger tensors are not probed (their maps stay unknown)
 _EXACT_DTYPES = {"float32": 1 << 24, "float64": 1 << 53, "int32": 1 << 31, "int64": 1 << 62}
 
@@ -442,10 +442,14 @@ def _reuse(graph: Graph) -> list[Reuse]:
         readers = graph.consumers(t)
         if len(readers) < 2:
             continue
-        pairs = [bool((below[a.id] >> graph.order[b.id]) & 1 or (below[b.id] >> graph.order[a.id]) & 1)
+        pairs = [_depends(below, graph, a, b) or _depends(below, graph, b, a)
                  for i, a in enumerate(readers) for b in readers[i + 1:]]
         found.append(Reuse(t, tuple(op.id for op in readers), not all(pairs), any(pairs)))
     return found
+
+
+def _depends(below: dict[str, int], graph: Graph, first: Op, then: Op) -> bool:
+    return bool((below[first.id] >> graph.order[then.id]) & 1)
 
 
 def _descendants(graph: Graph) -> dict[str, int]:
