@@ -101,4 +101,4 @@ def partitioner(name: str) -> Partitioner:
 
 
 def _load_partitioners() -> None:
-    from kiln.plan import ago, dnnfusion, fixed, graphturbo, none  # noqa: F401  (each registers itself)
+    from kiln.plan import ago, dnnfusion, fixed, graphturbo, none, souffle  # noqa: F401  (each registers itself)
