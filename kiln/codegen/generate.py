@@ -69,12 +69,15 @@ def check_supported(graph: Graph) -> None:
 
 def generate(plan: FusionPlan, target: Target, schedule: Schedule = DEFAULT_SCHEDULE,
              block_schedules: Mapping[str, Mapping[str, Any]] | None = None) -> list[Kernel]:
-    """One Kernel per block of the plan, in plan order (the kernel ABI of `kiln.codegen`)."""
+    """One Kernel per block of the plan, in plan order (the kernel ABI of `kiln.codegen`). A
+    block's schedule is `schedule` with the plan's overrides for it (`FusionPlan.schedules`), then
+    `block_schedules`' (the tuner's) on top."""
     check_supported(plan.graph)
     backend = backend_for(target)
     block_schedules = block_schedules or {}
     return [_kernel(plan.graph, block, i, target, backend,
-                    schedule.merged(block_schedules.get(block.id)).for_isa(target.isa))
+                    schedule.merged(plan.schedules.get(block.id))
+                    .merged(block_schedules.get(block.id)).for_isa(target.isa))
             for i, block in enumerate(plan.blocks)]
 
 

@@ -54,6 +54,11 @@ class FusionPlan:
     decisions: tuple[Decision, ...] = ()
     yellow_lookups: int = 0
     block_of: dict[str, str] = field(default_factory=dict, compare=False)  # op id -> block id
+    # Schedule overrides (`kiln.codegen.schedule.Schedule` fields) a partitioner chose for some
+    # blocks, which code generation applies under the tuner's, and alternatives for the tuner to
+    # measure (FusionStitching's satisfiable schedules): block id -> overrides.
+    schedules: dict[str, dict] = field(default_factory=dict, compare=False)
+    schedule_candidates: dict[str, tuple[dict, ...]] = field(default_factory=dict, compare=False)
 
     @property
     def kernels(self) -> int:
@@ -97,4 +102,4 @@ def partitioner(name: str) -> Partitioner:
 
 
 def _load_partitioners() -> None:
-    from kiln.plan import dnnfusion, fixed, none  # noqa: F401  (each registers itself)
+    from kiln.plan import dnnfusion, fixed, fusionstitching, none  # noqa: F401  (each registers itself)

@@ -270,7 +270,8 @@ class _GroupTuner:
         return known
 
     def _record(self, overrides: dict[str, Any], h: str, samples: Sequence[float]) -> None:
-        schedule = {**overrides, "kernel": h, "threads": self.threads}
+        schedule = {**self.plan.schedules.get(self.block.id, {}), **overrides, "kernel": h,
+                    "threads": self.threads}
         try:
             self.store.record(self.plan.graph, self.op_ids, list(samples), MEASURED,
                               schedule=schedule)
@@ -374,9 +375,11 @@ class _GroupTuner:
         return out
 
     def quick_candidates(self) -> list[dict[str, Any]]:
+        """The default, the partitioner's alternatives for this block, then `space.QUICK`'s."""
         seen: set[str] = set()
         out = []
-        for overrides in space.QUICK:
+        planned = self.plan.schedule_candidates.get(self.block.id, ())
+        for overrides in ({}, *planned, *space.QUICK):
             made = self.kernel(dict(overrides))
             if made is None or made[0] in seen:
                 continue
