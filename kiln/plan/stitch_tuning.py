@@ -32,6 +32,9 @@ from kiln.profile import COST_MODEL, MEASURED, Estimate, ProfileStore
 
 STITCH_KEY = "stitch_blocks"  # the kiln.codegen.schedule.Schedule field a stitched block sets
 UNSTITCHED = 0
+# An entry of the library: the stitched schedule alone (the tuner adds the code's hash and the
+# thread count); entries that also change other Schedule fields measure something else.
+LIBRARY_KEYS = frozenset({STITCH_KEY, "threads", "kernel"})
 
 
 def imbalance(blocks: int, threads: int) -> float:
@@ -71,10 +74,11 @@ class PerformanceLibrary:
         if key not in self._measured:
             found: dict[int, float] = {}
             ordered = sorted(key, key=self.graph.order.__getitem__)
-            for schedule, median in self.store.schedules(self.graph, ordered):
+            for schedule, median in self.store.schedules(self.graph, ordered):  # best first
                 if (isinstance(schedule, dict) and schedule.get("threads") == self.threads
-                        and isinstance(schedule.get(STITCH_KEY, UNSTITCHED), int)):
-                    found.setdefault(int(schedule.get(STITCH_KEY, UNSTITCHED)), median)
+                        and isinstance(schedule.get(STITCH_KEY), int)
+                        and set(schedule) <= LIBRARY_KEYS):
+                    found.setdefault(schedule[STITCH_KEY], median)
             self._measured[key] = found
         return self._measured[key]
 
