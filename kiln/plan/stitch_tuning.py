@@ -8,7 +8,7 @@ store's cost model and is measured by the tuner (`kiln compile --tune quick|full
 the plan's shortlisted schedules of every stitched block (`FusionPlan.schedule_candidates`) and
 records them; the next plan of the same model reads them back as hits.
 
-Cost of a fusion with B blocks (`cost`): a measured entry with that B and this thread count, or
+Cost of a fusion with B blocks: a measured entry with that B and this thread count, or
 the cost model's latency of the fused kernel × the load imbalance of B equal chunks dealt
 statically to T threads, ceil(B/T)·T/B (B = 1 runs on one thread: ×T). B = 0 stands for the
 kernel without stitching (each stage's own dynamic chunks: no imbalance, no affinity). As in the
@@ -81,14 +81,6 @@ class PerformanceLibrary:
                     found.setdefault(schedule[STITCH_KEY], median)
             self._measured[key] = found
         return self._measured[key]
-
-    def cost(self, members: Iterable[str], blocks: int) -> Estimate:
-        members = frozenset(members)
-        hit = self.measured(members).get(blocks)
-        if hit is not None:
-            return Estimate(hit, MEASURED)
-        base = self.modelled(members)
-        return Estimate(base.seconds * imbalance(blocks, self.threads), COST_MODEL)
 
     def tune(self, members: Iterable[str], resolved: Iterable[Resolved]) -> list[Costed]:
         """The shortlist of schedules for the fusion, best first (see the module docstring)."""
