@@ -103,8 +103,9 @@ def is_library_call(op: Op) -> bool:
 
 @register_partitioner("fusionstitching")
 class FusionStitching:
-    """Partitioner `fusionstitching`: work/span layers, stitched memory-intensive ops between
-    library calls, schedules propagated and tuned (FusionStitching)."""
+    """Partitioner `fusionstitching`: FusionStitching's stitching of memory-intensive ops between library calls
+
+    Work/span layers, Algorithm 1 under schedule consistency, schedules propagated and tuned."""
 
     name = "fusionstitching"
 
