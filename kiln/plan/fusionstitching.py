@@ -130,8 +130,7 @@ class _Stitching:
         self.library = PerformanceLibrary(graph, store, self.threads, constraints.shortlist)
         self.spans = work_span(graph)
         self.layers = span_layers(graph, self.spans)
-        lc = sorted({self.spans[op.id] for op in graph.ops if is_library_call(op)})
-        self.lc_layers = lc
+        self.lc_layers = sorted({self.spans[op.id] for op in graph.ops if is_library_call(op)})
         self.group_of: dict[str, int] = {}
         self.fusions: list[_Fusion] = []
         self.decisions: list[Decision] = []
@@ -159,11 +158,11 @@ class _Stitching:
         roots: list[_Fusion] = []
         open_by_shape: dict[tuple, _Fusion] = {}
         for op in layer:
-            fusion = _Fusion({op.id}, self.row_partitions({op.id}))
             shape = self.graph.tensors[op.outputs[0]].shape if op.outputs else ()
             host = open_by_shape.get(shape) if _is_elementwise(op) else None
             if host is not None and self.joins_horizontally(host, op):
                 continue
+            fusion = _Fusion({op.id}, self.row_partitions({op.id}))
             roots.append(fusion)
             if _is_elementwise(op):
                 open_by_shape[shape] = fusion
