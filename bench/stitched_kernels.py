@@ -11,7 +11,7 @@ Kinds: `reduction` — a kernel holding a row-local reduction or normalisation (
 LayerNormalization, Reduce*; by the op record) and no library call; `with library call` — one
 holding a MatMul/Gemm/Conv (dnnfusion fuses Softmax into its attention MatMuls); `other`.
 
-    python bench/stitched_kernels.py MODEL.onnx [--rounds 5] [--runs 10] [--keep DIR]
+    python bench/stitched_kernels.py MODEL.onnx [--rounds 5] [--runs 10] [--warmup 1] [--threads T] [--keep DIR]
 """
 from __future__ import annotations
 
@@ -64,6 +64,8 @@ def main() -> int:
     parser.add_argument("model", type=Path)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--runs", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=None, help="runner threads (default: all)")
     parser.add_argument("--keep", type=Path, default=None)
     args = parser.parse_args()
     folder = args.keep or Path(tempfile.mkdtemp(prefix="kiln-stitch-"))
@@ -82,7 +84,10 @@ def main() -> int:
         order = VARIANTS[r % 3:] + VARIANTS[:r % 3]
         for variant in order:
             time.sleep(0.5)
-            timing = run_runner(artifacts[variant], inputs, args.runs, 2, keep_outputs=False).timing
+            timing = run_runner(artifacts[variant], inputs, args.runs, args.warmup,
+                                args.threads, keep_outputs=False).timing
+            print(f"round {r + 1} {variant}: {timing['latency_ns']['median'] / 1e6:.1f} ms",
+                  file=sys.stderr, flush=True)
             totals: dict[str, float] = {"all kernels": 0.0}
             for k in timing["kernels"]:
                 kind = kinds[variant][k["symbol"]]
@@ -94,7 +99,8 @@ def main() -> int:
     counts = {v: {kind: sum(1 for x in kinds[v].values() if x == kind) for kind in set(kinds[v].values())}
               | {"all kernels": len(kinds[v])} for v in VARIANTS}
     rows = ["reduction", "with library call", "other", "all kernels", "model latency"]
-    print(f"{args.model.name}: median over {args.rounds} interleaved rounds of {args.runs} runs (ms)")
+    print(f"{args.model.name}: median over {args.rounds} interleaved rounds of {args.runs} runs (ms), "
+          f"{args.threads or 'all'} threads")
     print(f"{'':20s}" + "".join(f"{v:>30s}" for v in VARIANTS) + f"{'fs/dnn':>9s}{'fs/unstitched':>15s}")
     for kind in rows:
         med = {v: statistics.median(sums.get((v, kind), [0.0])) for v in VARIANTS}
