@@ -316,3 +316,11 @@ def test_fusions_never_hold_a_library_call_with_anything_else(graph, seed):
         if any(op.compute_intensive for op in ops):
             assert len(ops) == 1
         assert not any(op.mapping == M.MANY_TO_MANY and op.compute_intensive for op in ops[1:])
+
+
+def test_empty_tensors_get_no_schedule_of_zero_blocks():
+    # A zero-size dim makes some splits cut nothing: those are not schedules (no division by 0).
+    assert all(s.blocks((0, 4)) >= 1 for s in schedule_space((0, 4), 64))
+    assert with_partition((3, 0), (ROW, 0)) is None
+    graph = ecg([("Relu", ["x"], ["y"])], {"x": (3, 0), "y": (3, 0)}, ["x"], ["y"])
+    assert [r.blocks for r in satisfiable(graph, {"op0"}, 64)] == [1, 3]

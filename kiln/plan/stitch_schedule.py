@@ -103,7 +103,7 @@ def schedule_space(shape: Shape, max_blocks: int) -> list[StitchSchedule]:
         for sword in divisors(extent):
             for kind in SchedType:
                 schedule = StitchSchedule(split_dim, sword, kind)
-                if schedule.blocks(dims) <= max_blocks:
+                if 1 <= schedule.blocks(dims) <= max_blocks:  # an empty tensor: nothing to split
                     space.append(schedule)
     return space
 
@@ -114,6 +114,8 @@ def with_partition(shape: Shape, key: tuple[SchedType, int]) -> StitchSchedule |
     dims = _dims(shape)
     if blocks == 1:
         return ONE_BLOCK
+    if blocks < 1:
+        return None
     order = range(len(dims)) if kind is ROW else range(len(dims) - 1, -1, -1)
     for split_dim in order:
         outside = (math.prod(dims[:split_dim]) if kind is ROW
