@@ -71,14 +71,16 @@ def check_supported(graph: Graph) -> None:
 
 def generate(plan: FusionPlan, target: Target, schedule: Schedule | None = None,
              block_schedules: Mapping[str, Mapping[str, Any]] | None = None) -> list[Kernel]:
-    """One Kernel per block of the plan, in plan order (the kernel ABI of `kiln.codegen`); the
-    schedule defaults to the target backend's."""
+    """One Kernel per block of the plan, in plan order (the kernel ABI of `kiln.codegen`). A
+    block's schedule is `schedule` (by default the target backend's) with the plan's overrides for
+    it (`FusionPlan.schedules`), then `block_schedules`' (the tuner's) on top."""
     check_supported(plan.graph)
     backend = backend_for(target)
     schedule = schedule or backend.schedule
     block_schedules = block_schedules or {}
     return [_kernel(plan.graph, block, i, target, backend,
-                    schedule.merged(block_schedules.get(block.id)).for_isa(target.isa),
+                    schedule.merged(plan.schedules.get(block.id))
+                    .merged(block_schedules.get(block.id)).for_isa(target.isa),
                     plan.stages.get(block.id))
             for i, block in enumerate(plan.blocks)]
 

@@ -16,8 +16,10 @@ from kiln.codegen.microkernel import MicroKernel
 # How a parallel loop's work items are shared among workers: "even" — equal shares decided up
 # front (items of equal cost); "one" — one item at a time as workers free up (few, uneven items:
 # GEMM cache blocks); "chunks" — small chunks (cheap, memory-bound items: a worker the OS
-# deschedules on a loaded machine holds up only its chunk).
-GRAINS = ("even", "one", "chunks")
+# deschedules on a loaded machine holds up only its chunk); "blocks" — `Loop.blocks` equal chunks
+# dealt out in a fixed order, the same in every loop of a kernel (FusionStitching's stitched
+# stages: chunk k of every stage runs on the same worker).
+GRAINS = ("even", "one", "chunks", "blocks")
 
 
 @dataclass(eq=False)
@@ -36,6 +38,7 @@ class Loop:
     simd: bool = False
     reductions: tuple[tuple[str, Expr], ...] = ()
     grain: str = "even"  # of a parallel loop: one of GRAINS
+    blocks: int = 0  # chunks of the "blocks" grain
 
     @property
     def static_extent(self) -> int | None:

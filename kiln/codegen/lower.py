@@ -57,6 +57,7 @@ from kiln.codegen.passes import finish_stage
 from kiln.codegen.reduction import reduction_phase
 from kiln.codegen.schedule import Schedule
 from kiln.ecg import Graph, Op, Tensor
+from kiln.placement import place
 from kiln.plan import Block
 from kiln.plan.chains import AttentionChain, chain_from
 
@@ -423,10 +424,26 @@ class BlockLowering:
         return name
 
     # --- assembling the kernel -----------------------------------------------------------------
+    def _place_intermediates(self) -> None:
+        """Scratch space for the block's materialised intermediates, reused by liveness
+        (FusionStitching §5.1.3): each lives from the first stage that touches it to the last, and
+        one whose life has ended gives its bytes to a later one, so a stitched kernel's scratch
+        stays as small, and as likely to stay in cache, as its widest point in time."""
+        tensors = sorted(self.must_store - set(self.block.outputs), key=_tensor_order)
+        if not tensors:
+            return
+        stages = _stages_touching(self.stages, set(tensors))
+        base = -(-self.scratch_top // SCRATCH_ALIGN) * SCRATCH_ALIGN
+        placed = place((t, self.graph.tensors[t].nbytes, min(stages.get(t, [0])),
+                        max(stages.get(t, [0]))) for t in tensors)
+        offsets = {b.tensor: base + b.offset for b in placed}
+        for t in tensors:
+            self.scratch_buffers.append(ir.Buffer(t, self.graph.tensors[t].dtype, "scratch",
+                                                  offsets[t]))
+        self.scratch_top = max((b.offset + b.nbytes for b in placed), default=0) + base
+
     def _result(self) -> LoweredBlock:
-        for tensor in sorted(self.must_store - set(self.block.outputs), key=_tensor_order):
-            t = self.graph.tensors[tensor]
-            self.scratch(tensor, t.dtype, t.numel)
+        self._place_intermediates()
         loaded = {e.name for stage in self.stages for e in walk(ir.all_exprs(stage.body))
                   if e.op == "load"}
         loaded |= {name for stage in self.stages for s in ir.iter_stmts(stage.body)
@@ -442,6 +459,21 @@ class BlockLowering:
         kernel = ir.KernelIR(self.symbol, buffers, self.stages, scratch)
         return LoweredBlock(kernel, inputs + derived, outputs,
                             {d: self.derived[d] for d in derived}, self.stage_info)
+
+
+def _stages_touching(stages: list[ir.Stage], names: set[str]) -> dict[str, list[int]]:
+    """For each buffer of `names`, the indices of the stages that load, store or multiply it."""
+    found: dict[str, list[int]] = {}
+    for index, stage in enumerate(stages):
+        seen = {e.name for e in walk(ir.all_exprs(stage.body)) if e.op == "load"}
+        for stmt in ir.iter_stmts(stage.body):
+            if isinstance(stmt, ir.Store):
+                seen.add(stmt.buffer)
+            elif isinstance(stmt, ir.MicroKernelCall):
+                seen.update((stmt.a, stmt.b, stmt.c))
+        for name in seen & names:
+            found.setdefault(name, []).append(index)
+    return found
 
 
 def _tensor_order(tensor: str) -> tuple[int, str]:

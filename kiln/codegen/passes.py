@@ -67,6 +67,8 @@ def finish_stage(body: list[ir.Stmt], work: int, schedule: Schedule,
                 stmt.parallel = 0
             else:
                 stmt.parallel = _collapse_depth(stmt, schedule.parallel_min_iterations)
+                if schedule.stitch_blocks > 0 and stmt.grain == "chunks":
+                    stmt.grain, stmt.blocks = "blocks", schedule.stitch_blocks
 
 
 def drop_unit_loops(body: list[ir.Stmt]) -> list[ir.Stmt]:

@@ -57,6 +57,12 @@ class Schedule:
     # most `intensive_tile_bytes` (a quarter of a 1 MiB L2); off: two stages, a full intermediate.
     intensive_fusion: bool = True
     intensive_tile_bytes: int = 1 << 18
+    # FusionStitching's blocks (`kiln.plan.stitch_schedule`): 0 leaves each memory-bound stage's
+    # parallel loop to its own grain; n > 0 splits every such loop of the kernel into n equal
+    # chunks handed out statically (chunk k to thread k mod threads), so that the stages of a
+    # stitched kernel agree on how work is split: a thread reads back from scratch the rows it
+    # wrote itself, from its own L1/L2, as a GPU thread block reads its shared memory.
+    stitch_blocks: int = 0
 
     def merged(self, overrides: Mapping[str, Any] | None) -> Schedule:
         if not overrides:

@@ -58,6 +58,11 @@ class FusionPlan:
     # GraphTurbo's split, instances and buffer scopes); code generation may follow it.
     stages: Mapping[str, Any] = field(default_factory=dict, compare=False)
     notes: Mapping[str, Any] = field(default_factory=dict, compare=False)  # plan-wide, for the report
+    # Schedule overrides (`kiln.codegen.schedule.Schedule` fields) a partitioner chose for some
+    # blocks, which code generation applies under the tuner's, and alternatives for the tuner to
+    # measure (FusionStitching's satisfiable schedules): block id -> overrides.
+    schedules: dict[str, dict] = field(default_factory=dict, compare=False)
+    schedule_candidates: dict[str, tuple[dict, ...]] = field(default_factory=dict, compare=False)
 
     @property
     def kernels(self) -> int:
@@ -101,4 +106,5 @@ def partitioner(name: str) -> Partitioner:
 
 
 def _load_partitioners() -> None:
-    from kiln.plan import ago, dnnfusion, fixed, graphturbo, none, souffle  # noqa: F401  (each registers itself)
+    from kiln.plan import (  # noqa: F401  (each registers itself)
+        ago, dnnfusion, fixed, fusionstitching, graphturbo, none, souffle)

@@ -21,7 +21,7 @@ Offsets are multiples of `ALIGNMENT`.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,14 +30,10 @@ import numpy as np
 from kiln.codegen import Kernel
 from kiln.ecg import Graph
 from kiln.errors import KilnError
+from kiln.placement import ALIGNMENT, ArenaBuffer, align, place
 from kiln.plan import FusionPlan
 
-ALIGNMENT = 64
 REGIONS = ("input", "output", "weights", "arena", "scratch")
-
-
-def align(n: int) -> int:
-    return -(-n // ALIGNMENT) * ALIGNMENT
 
 
 @dataclass(frozen=True)
@@ -46,21 +42,6 @@ class Ref:
 
     region: str
     where: int
-
-
-@dataclass(frozen=True)
-class ArenaBuffer:
-    tensor: str
-    offset: int
-    nbytes: int
-    first: int  # index of the kernel that writes it
-    last: int  # index of the last kernel that reads it (= first if none does)
-
-    def overlaps_in_time(self, other: ArenaBuffer) -> bool:
-        return self.first <= other.last and other.first <= self.last
-
-    def overlaps_in_space(self, other: ArenaBuffer) -> bool:
-        return self.offset < other.offset + other.nbytes and other.offset < self.offset + self.nbytes
 
 
 @dataclass(frozen=True)
@@ -164,32 +145,6 @@ def weights_blob(plan: FusionPlan, kernels: Sequence[Kernel], memory: MemoryPlan
         data = np.ascontiguousarray(constants[entry.keys[0]]).tobytes()
         blob[entry.offset:entry.offset + entry.nbytes] = data
     return bytes(blob)
-
-
-def place(intervals: Iterable[tuple[str, int, int, int]]) -> list[ArenaBuffer]:
-    """Offsets for (tensor, nbytes, first, last) so no two buffers live at once share bytes.
-
-    Largest first; each goes to the smallest gap that fits among the placed buffers whose
-    lifetimes overlap its own, else above the highest of them.
-    """
-    placed: list[ArenaBuffer] = []
-    for tensor, nbytes, first, last in sorted(intervals, key=lambda v: (-v[1], v[2], v[0])):
-        probe = ArenaBuffer(tensor, 0, nbytes, first, last)
-        live = sorted((b for b in placed if b.nbytes and b.overlaps_in_time(probe)),
-                      key=lambda b: b.offset)
-        placed.append(ArenaBuffer(tensor, _best_fit(live, nbytes), nbytes, first, last))
-    return sorted(placed, key=lambda b: (b.first, b.tensor))
-
-
-def _best_fit(live: list[ArenaBuffer], nbytes: int) -> int:
-    best: tuple[int, int] | None = None  # (gap size, offset)
-    cursor = 0
-    for b in live:
-        gap = b.offset - cursor
-        if gap >= nbytes and (best is None or gap < best[0]):
-            best = (gap, cursor)
-        cursor = max(cursor, align(b.offset + b.nbytes))
-    return best[1] if best else cursor
 
 
 def _arg_key(kernel: Kernel, arg: str, roots: dict[str, str]) -> str:

@@ -330,7 +330,8 @@ class _GroupTuner:
     def _record(self, overrides: dict[str, Any], h: str, samples: Sequence[float]) -> None:
         if not self.measurer.records:  # the farm filed them under its device already
             return
-        schedule = {**overrides, "kernel": h, "threads": self.threads}
+        schedule = {**self.plan.schedules.get(self.block.id, {}), **overrides, "kernel": h,
+                    "threads": self.threads}
         try:
             self.store.record(self.plan.graph, self.op_ids, list(samples), MEASURED,
                               schedule=schedule)
@@ -436,10 +437,12 @@ class _GroupTuner:
         return out
 
     def quick_candidates(self) -> list[dict[str, Any]]:
+        """The default, the partitioner's alternatives for this block, then `space.QUICK`'s."""
         seen: set[str] = set()
         out = []
-        starts = (space.QUICK[0], self.initial, *space.QUICK[1:]) if self.initial else space.QUICK
-        for overrides in starts:
+        planned = self.plan.schedule_candidates.get(self.block.id, ())
+        initial = (self.initial,) if self.initial else ()
+        for overrides in ({}, *initial, *planned, *space.QUICK):
             made = self.kernel(dict(overrides))
             if made is None or made[0] in seen:
                 continue

@@ -24,7 +24,7 @@ from kiln.target import host_target
 
 CFLAGS = ("-O2", "-fopenmp", "-shared", "-fPIC")
 BUILD_DIR = Path(tempfile.gettempdir()) / "kiln-codegen-tests"
-PARTITIONERS = ("none", "fixed", "dnnfusion", "graphturbo")
+PARTITIONERS = ("none", "fixed", "dnnfusion", "graphturbo", "fusionstitching")
 _STORE: list[RooflineModel] = []
 
 

@@ -29,7 +29,7 @@ def compile_or_skip(name: str, partitioner: str, target: str, out: Path) -> dict
         pytest.skip(f"{name}: {exc}")
 
 
-@pytest.mark.parametrize("partitioner", ["dnnfusion", "none", "ago", "souffle"])
+@pytest.mark.parametrize("partitioner", ["dnnfusion", "none", "ago", "souffle", "fusionstitching"])
 @pytest.mark.parametrize("name", TINY)
 def test_tiny_model_verifies_on_this_machine(name, partitioner, tmp_path, capsys):
     out = tmp_path / f"{name}.kiln"

@@ -51,14 +51,22 @@ class CRenderer(CStyleRenderer):
 def _schedule_clause(loop: ir.Loop) -> str:
     """The OpenMP schedule of a parallel loop's grain (`kiln.codegen.ir.GRAINS`): "one" is
     `dynamic, 1`; "chunks" hands out chunks of about 1/CHUNKS_PER_LOOP of the (collapsed)
-    iterations; "even" is `static`."""
+    iterations; "blocks" is `static` with chunks of 1/`loop.blocks` of them (chunk k goes to
+    thread k mod threads in every loop); "even" is `static`."""
     if loop.grain == "one":
         return "schedule(dynamic, 1)"
     if loop.grain == "chunks":
-        iterations, level = 1, loop
-        for depth in range(max(loop.parallel, 1)):
-            iterations *= level.static_extent or CHUNKS_PER_LOOP
-            if depth + 1 < loop.parallel:
-                level = level.body[0]
-        return f"schedule(dynamic, {max(1, iterations // CHUNKS_PER_LOOP)})"
+        return f"schedule(dynamic, {max(1, _iterations(loop, CHUNKS_PER_LOOP) // CHUNKS_PER_LOOP)})"
+    if loop.grain == "blocks" and loop.blocks > 0:
+        return f"schedule(static, {max(1, -(-_iterations(loop, loop.blocks) // loop.blocks))})"
     return "schedule(static)"
+
+
+def _iterations(loop: ir.Loop, unknown: int) -> int:
+    """Iterations of the collapsed parallel nest (`unknown` for a loop without a static extent)."""
+    iterations, level = 1, loop
+    for depth in range(max(loop.parallel, 1)):
+        iterations *= level.static_extent or unknown
+        if depth + 1 < loop.parallel:
+            level = level.body[0]
+    return iterations
