@@ -33,7 +33,7 @@ import numpy as np
 from pydantic import ValidationError
 
 from device_agents.backends import DeviceBackend
-from device_agents.facts import HardwareFacts
+from device_agents.facts import HardwareFacts, device_targets
 from device_agents.protocol import (
     MAX_KERNELS,
     MAX_LATENCY_S,
@@ -47,6 +47,7 @@ from device_agents.protocol import (
 from kiln.files import write_atomic
 from kiln.runtime.artifact import RUNNER, WEIGHTS, Artifact
 from kiln.runtime.inputs import random_inputs
+from kiln.target import TARGET_NAMES, target
 
 RUNNER_NAME = "kiln-runner"
 WEIGHTS_NAME = "weights.bin"
@@ -177,6 +178,11 @@ def check_compatible(artifact: Artifact, facts: HardwareFacts, device: str) -> N
     missing = [f for f in artifact.isa if f not in facts.isa]
     if missing:
         raise MeasurementError(f"the artifact uses {', '.join(missing)}, which {device} lacks")
+    name = artifact.manifest["target"]["name"]
+    if name in TARGET_NAMES and not target(name).runs_on_cpu \
+            and name not in device_targets(facts.model_dump()):
+        raise MeasurementError(f"the artifact was built for {name}, whose kernels run on a "
+                               f"{target(name).backend} device; {device} has none")
 
 
 def runner_argv(remote_dir: str, bundle: Bundle, runs: int, warmup: int,
