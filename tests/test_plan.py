@@ -288,3 +288,18 @@ def test_stacked_recurrent_layers_share_a_kernel():
     assert "yellow: stacked recurrent layers" in {d.reason for d in stacked.decisions if d.fused}
     paper = DNNFusion(Constraints(relax_red=False))(graph, RandomLatencies(0))
     assert paper.kernels == 2  # each LSTM alone; the Squeezes are views
+
+
+def test_dnnfusion_constraints_come_from_the_targets_device():
+    """CPU targets keep the x86 constants; an OpenCL target's come from a mobile GPU's limits
+    (registers per work-item, local memory)."""
+    from kiln.plan import for_target
+    from kiln.plan.dnnfusion import Constraints, DNNFusion
+    from kiln.target import target
+
+    assert for_target(DNNFusion(), target("x86_64")).constraints == Constraints()
+    gpu = for_target(DNNFusion(), target("opencl")).constraints
+    limits = target("opencl").limits
+    assert gpu.max_live_values == limits.registers > Constraints().max_live_values
+    assert gpu.tiny_bytes == limits.fast_memory_bytes // 2
+    assert gpu.tile_operand_bytes == limits.shared_cache_bytes
