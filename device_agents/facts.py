@@ -48,7 +48,7 @@ from kiln.cpuinfo import (
 from kiln.cpuinfo import clean_text as _clean
 from kiln.cpuinfo import parse_int as _int
 from kiln.profile.machine import ISA_FEATURES, static_fingerprint
-from kiln.target import runnable_targets
+from kiln.target import TARGET_NAMES, runnable_targets, target
 
 FACTS_VERSION = 1
 DeviceKind = Literal["cpu", "phone", "gpu-host"]
@@ -136,6 +136,15 @@ def device_targets(facts: Mapping) -> list[str]:
     an OpenCL device."""
     runtimes = ["opencl"] if facts.get("opencl_device") else []
     return list(runnable_targets(str(facts.get("arch", "")), facts.get("isa") or (), runtimes))
+
+
+def has_driver_for(facts: Mapping, target_name: str) -> bool:
+    """Whether a device has the driver an artifact for `target_name` needs: always for a target
+    whose kernels run on the CPU (its architecture and ISA are checked apart), else the target
+    must be among `device_targets`."""
+    if target_name not in TARGET_NAMES or target(target_name).runs_on_cpu:
+        return True
+    return target_name in device_targets(facts)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ import numpy as np
 from pydantic import ValidationError
 
 from device_agents.backends import DeviceBackend
-from device_agents.facts import HardwareFacts, device_targets
+from device_agents.facts import HardwareFacts, has_driver_for
 from device_agents.protocol import (
     MAX_KERNELS,
     MAX_LATENCY_S,
@@ -47,7 +47,7 @@ from device_agents.protocol import (
 from kiln.files import write_atomic
 from kiln.runtime.artifact import RUNNER, WEIGHTS, Artifact
 from kiln.runtime.inputs import random_inputs
-from kiln.target import TARGET_NAMES, target
+from kiln.target import target
 
 RUNNER_NAME = "kiln-runner"
 WEIGHTS_NAME = "weights.bin"
@@ -179,8 +179,7 @@ def check_compatible(artifact: Artifact, facts: HardwareFacts, device: str) -> N
     if missing:
         raise MeasurementError(f"the artifact uses {', '.join(missing)}, which {device} lacks")
     name = artifact.manifest["target"]["name"]
-    if name in TARGET_NAMES and not target(name).runs_on_cpu \
-            and name not in device_targets(facts.model_dump()):
+    if not has_driver_for(facts.model_dump(), name):
         raise MeasurementError(f"the artifact was built for {name}, whose kernels run on a "
                                f"{target(name).backend} device; {device} has none")
 
