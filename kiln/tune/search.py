@@ -141,7 +141,8 @@ def tune_plan(plan: FusionPlan, target: Target, store: ProfileStore, mode: str =
         return TuneResult({}, report | {"seconds": 0.0})
     if not _runs_here(target):
         report["skipped"]["all"] = (f"target {target.name} ({target.arch}, "
-                                    f"{'/'.join(target.isa)}) cannot be measured on this machine")
+                                    f"{'/'.join(target.isa) or target.backend}) cannot be "
+                                    f"measured on this machine")
         return TuneResult({}, report | {"seconds": 0.0})
     check_supported(plan.graph)
     deadline = start + budget
@@ -201,8 +202,10 @@ def _describe(entry: dict[str, Any]) -> str:
 
 
 def _runs_here(target: Target) -> bool:
+    """Whether the harness can time the target's kernels here: it calls them as C functions, so
+    a target whose kernels run on a device (OpenCL) is measured by the agents' devices only."""
     host = host_target()
-    return target.is_native and set(target.isa) <= set(host.isa)
+    return target.runs_on_cpu and target.is_native and set(target.isa) <= set(host.isa)
 
 
 def _groups(plan: FusionPlan, store: ProfileStore) -> list[Group]:
