@@ -13,9 +13,12 @@ Two fingerprints:
   `kiln.profile.machine.host_machine().fingerprint`, the key Kiln's own SQLite profile store files
   CPU kernel latencies under, so measurements an agent takes on identical CPUs land on the same key.
 - `fingerprint` (sha256 hex) adds the rest of the identity: device kind, Arm core types, every
-  recorded ISA feature, the phone model, the GPU model, count, memory and compute capability, the
-  OpenCL device Kiln's OpenCL runner picks (where there is one: PoCL on a CPU host, a phone's GPU),
-  and whether the device is emulated. Frequencies (governors, thermal caps, kernel tables), OS versions
+  recorded ISA feature, the phone model, the GPU model, count, memory and compute capability, and
+  whether the device is emulated.
+
+Kernel signatures do not name a backend, so a device's measurements of OpenCL kernels are filed
+under another key than those of its C kernels: `device_class` of the device and the target, a
+fingerprint of the OpenCL device Kiln's runner picks there (a phone's GPU, PoCL on a CPU host). Frequencies (governors, thermal caps, kernel tables), OS versions
   and builds, driver, CUDA and OpenCL versions are recorded but left out: the same hardware keeps
   its fingerprint across governors and OS updates.
 """
@@ -124,8 +127,6 @@ class HardwareFacts(BaseModel):
                     self.gpu_compute_capability],
             "emulated": self.emulated,
         }
-        if self.opencl_device:  # only then: devices without OpenCL keep their fingerprints
-            identity["opencl"] = [self.opencl_device, self.opencl_gpu]
         text = json.dumps(identity, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()
 
@@ -136,6 +137,19 @@ def device_targets(facts: Mapping) -> list[str]:
     an OpenCL device."""
     runtimes = ["opencl"] if facts.get("opencl_device") else []
     return list(runnable_targets(str(facts.get("arch", "")), facts.get("isa") or (), runtimes))
+
+
+def device_class(fingerprint: str, facts: Mapping, target_name: str) -> str:
+    """The key the device's (`fingerprint`, `facts`) measurements of an artifact for
+    `target_name` are filed under in the profile database: its fingerprint for kernels that run on
+    its CPU; for kernels on a device of its own (OpenCL), a fingerprint of that device."""
+    if target_name not in TARGET_NAMES or target(target_name).runs_on_cpu:
+        return fingerprint
+    identity = {"version": FACTS_VERSION, "device": fingerprint,
+                "backend": target(target_name).backend, "opencl": facts.get("opencl_device"),
+                "opencl_gpu": bool(facts.get("opencl_gpu"))}
+    text = json.dumps(identity, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def has_driver_for(facts: Mapping, target_name: str) -> bool:

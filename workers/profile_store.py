@@ -9,8 +9,9 @@ compile's target — the best entry, measured before predicted. On a miss:
 1. target `host` (and KILN_MEASURE_LOCAL, the default): the kernel is built alone as a probe
    artifact and measured on this machine with the agents' own code; the entry is stored under
    this machine's device fingerprint and the answer is `measured`;
-2. another target: when an online agent device of the target's architecture exists, a
-   measurement task is queued for its device class and the lookup waits for its result up to
+2. another target: when an online agent device of the target's architecture (with an OpenCL
+   driver, for an OpenCL target) exists, a measurement task is queued for its device class (for
+   an OpenCL target, its OpenCL device's) and the lookup waits for its result up to
    KILN_MEASURE_WAIT_SECONDS (and KILN_MEASURE_BUDGET_SECONDS over the whole compile);
 3. otherwise, or when that fails or times out, the roofline cost model answers (`cost-model`).
 
@@ -33,6 +34,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Sequence
 
+from device_agents.facts import device_class, has_driver_for
 from kiln.ecg import Graph
 from kiln.profile import COST_MODEL, MEASURED, Estimate
 from kiln.profile.machine import host_machine
@@ -60,13 +62,22 @@ class DatabaseProfileStore:
         self.counts: Counter[str] = Counter()
         self.wait_budget = settings.measure_budget_seconds
         self._unmeasurable: set[str] = set()
-        self.fingerprint = self._device_class()
+        # the key its entries are filed under, and the device that measures for it
+        self.fingerprint, self.route = self._device_class()
 
-    def _device_class(self) -> str | None:
+    def _device_class(self) -> tuple[str | None, str | None]:
+        """(device class, device fingerprint) of a device that runs the target's artifacts: this
+        machine for `host`; else an online agent device with the target's architecture and driver
+        (the class of an OpenCL target is the OpenCL device's: device_agents.facts.device_class)."""
         if self.local:
-            return self._here()
-        online = devices.online_devices(self.db, arch=self.target.arch)
-        return online[0].fingerprint if online else None
+            return self._here(), None
+        online = [d for d in devices.online_devices(self.db, arch=self.target.arch)
+                  if has_driver_for(d.facts or {}, self.target.name)]
+        if not online:
+            return None, None
+        device = online[0]
+        return device_class(device.fingerprint, device.facts or {}, self.target.name), \
+            device.fingerprint
 
     def _here(self) -> str:
         """This machine's device class, where the tuner's measurements belong."""
@@ -157,7 +168,7 @@ class DatabaseProfileStore:
             wait = min(self.settings.measure_wait_seconds, self.wait_budget)
             task = submit_probes(
                 self.db, self.storage, built, self.target.arch,
-                device_fingerprint=self.fingerprint, runs=self.settings.measure_runs,
+                device_fingerprint=self.route, runs=self.settings.measure_runs,
                 priority=10, max_attempts=self.settings.measure_max_attempts,
                 deadline=utcnow() + timedelta(seconds=self.settings.measure_task_ttl_seconds))
         self.counts["dispatched"] += 1

@@ -99,7 +99,13 @@ def test_a_cpu_opencl_device_is_recorded_but_is_no_gpu():
     assert facts.opencl_device == "cpu-haswell-AMD EPYC"
     without = f.facts_from_probe(s.probe_output({k: v for k, v in sections.items()
                                                  if k != "clinfo"}), "", "local")
-    assert without.fingerprint != facts.fingerprint  # profile entries of OpenCL kernels differ
+    assert without.fingerprint == facts.fingerprint  # C kernels run alike with or without PoCL
+    dumped = facts.model_dump()
+    assert f.device_class(facts.fingerprint, dumped, "x86_64") == facts.fingerprint
+    opencl = f.device_class(facts.fingerprint, dumped, "opencl")
+    assert opencl != facts.fingerprint and len(opencl) == 64  # OpenCL kernels: their own key
+    other = dumped | {"opencl_device": "another-gpu", "opencl_gpu": True}
+    assert f.device_class(facts.fingerprint, other, "opencl") != opencl
 
 
 def test_targets_a_device_runs():

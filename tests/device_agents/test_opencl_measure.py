@@ -1,6 +1,7 @@
 """The agents' local backend measures OpenCL kernels on this machine's OpenCL device (PoCL): the
-whole path of a measurement task — service, agent, runner, profile entries filed under the device's
-fingerprint, which names its OpenCL device — and the refusal on a device without OpenCL."""
+whole path of a measurement task — service, agent, runner, profile entries filed under the OpenCL
+device's fingerprint (not the CPU's: kernel signatures do not name a backend) — and the refusal on
+a device without OpenCL."""
 from __future__ import annotations
 
 import asyncio
@@ -10,7 +11,7 @@ import pytest
 
 from device_agents.agent import Agent
 from device_agents.backends.local import LocalBackend
-from device_agents.facts import HardwareFacts
+from device_agents.facts import HardwareFacts, device_class
 from device_agents.measure import MeasurementError, check_compatible
 from kiln.pipeline import CompileOptions, compile_artifact, compile_model
 from kiln.profile.local import default_store
@@ -43,10 +44,12 @@ def test_the_local_agent_measures_opencl_kernels(tmp_path, service, opencl_artif
     done = service.tasks()[task]
     local = service.devices()["local"]
     assert (done.status, done.device_id, done.error) == ("done", local.id, None)
-    assert local.facts["opencl_device"]  # PoCL's device, part of the fingerprint
+    assert local.facts["opencl_device"]  # PoCL's device
+    opencl_class = device_class(local.fingerprint, local.facts, "opencl")
+    assert opencl_class != local.fingerprint
     entries = service.entries()
     assert {e.signature for e in entries} == {k["signature"] for k in kernels.values()}
-    assert {e.device_fingerprint for e in entries} == {local.fingerprint}
+    assert {e.device_fingerprint for e in entries} == {opencl_class}
     assert all(0 < e.median_s < 60 and e.source == "measured" for e in entries)
 
 
