@@ -257,6 +257,8 @@ def parse_clinfo(text: str) -> dict:
             devices.append({})
         if devices and key not in devices[-1]:
             devices[-1][key] = value
+    # clinfo's later sections ("NULL platform behavior") name devices again without their facts
+    devices = [d for d in devices if "Device Type" in d] or devices
     gpus = [d for d in devices if "GPU" in d.get("Device Type", "GPU").upper()]
     named = [d for d in devices if _clean(d.get("Device Name"))]
     if not gpus and not named:

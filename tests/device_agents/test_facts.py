@@ -88,6 +88,11 @@ def test_clinfo():
     assert adreno["opencl_device"] == "QUALCOMM Adreno(TM) 740" and adreno["opencl_gpu"]
     pocl = f.parse_clinfo(s.CLINFO_CPU_ONLY)  # a CPU OpenCL device runs OpenCL, not as a GPU
     assert (pocl["opencl_device"], pocl["opencl_gpu"]) == ("cpu-haswell-AMD EPYC", False)
+    later = ("NULL platform behavior\n  clCreateContext(NULL, ...) [default]"
+             "         Success [P0]\n    Platform Name                                 "
+             "Portable Computing Language\n    Device Name                                   "
+             "cpu-haswell-AMD EPYC\n")  # names the device again, without its type
+    assert f.parse_clinfo(s.CLINFO_CPU_ONLY + later) == pocl
     assert f.parse_clinfo("Number of platforms                               0\n") == {}
 
 
