@@ -24,7 +24,15 @@ from collections.abc import Sequence
 from kiln.codegen import Kernel
 from kiln.ecg import Graph
 from kiln.errors import KilnError
-from kiln.runtime.driver import REGION_CODES, KernelUnit, _c_string, _descriptors, header_text
+from kiln.runtime.driver import (
+    HELPERS_C,
+    KernelUnit,
+    _c_string,
+    _copies,
+    _descriptors,
+    _ref,
+    header_text,
+)
 from kiln.runtime.memory import MemoryPlan, Ref
 
 CHUNK = 2000  # characters per string literal of the embedded program (C90 limits are lower)
@@ -54,6 +62,7 @@ def model_source(graph: Graph, kernels: Sequence[Kernel], memory: MemoryPlan,
         f"#define KILN_OUTPUT_SLOTS {max(len(graph.outputs), 1)}",
         _launches(ordered, memory, units),
         _copies(memory),
+        HELPERS_C,
         _RUNTIME,
     ]
     return "\n\n".join(sections) + "\n"
@@ -83,10 +92,6 @@ def _c_literal(text: str) -> str:
     return '"' + "".join(out) + '"'
 
 
-def _ref(ref: Ref) -> str:
-    return f"{{{REGION_CODES[ref.region]}, {ref.where}u}}"
-
-
 def _launches(kernels: Sequence[Kernel], memory: MemoryPlan, units: dict[str, KernelUnit]) -> str:
     """One row per entry point (function, work-items, its kernel's step, first argument, count)
     in launch order, and the argument references."""
@@ -108,17 +113,6 @@ def _launches(kernels: Sequence[Kernel], memory: MemoryPlan, units: dict[str, Ke
         "static const kiln_ref kiln_arg_refs[] = {",
         *(f"    {r}," for r in refs),
         "    {0, 0},",
-        "};",
-    ])
-
-
-def _copies(memory: MemoryPlan) -> str:
-    rows = [f"    {{{c.output}, {_ref(c.source)}, {c.nbytes}u}}," for c in memory.copies]
-    return "\n".join([
-        f"#define KILN_NUM_COPIES {len(memory.copies)}",
-        "static const kiln_copy kiln_copies[] = {",
-        *rows,
-        "    {0, {0, 0}, 0},",
         "};",
     ])
 
@@ -219,14 +213,6 @@ struct kiln_model {
     int compute_units;
     uint64_t *profile;
 };
-
-static void kiln_fail(char *error, size_t size, const char *format, ...) {
-    va_list ap;
-    if (size == 0) return;
-    va_start(ap, format);
-    vsnprintf(error, size, format, ap);
-    va_end(ap);
-}
 
 static int kiln_open_library(kiln_model *m, char *error, size_t size) {
     const char *chosen = getenv("KILN_OPENCL_LIBRARY");
@@ -460,12 +446,6 @@ void kiln_model_set_threads(kiln_model *m, int threads) { (void)m; (void)threads
 int kiln_model_threads(const kiln_model *m) { return m->compute_units; }
 
 void kiln_model_set_profile(kiln_model *m, uint64_t *kernel_ns) { m->profile = kernel_ns; }
-
-static uint64_t kiln_now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
 
 /* With profiling on, each kernel's time runs from its first launch until the queue drains. */
 int kiln_model_run(kiln_model *m, void *const *inputs, void *const *outputs) {
