@@ -304,7 +304,8 @@ class Agent:
                 status="ok", kernels=m.kernels, totals=m.totals, runs=m.runs, warmup=m.warmup,
                 threads=m.threads, runner_version=m.runner_version,
                 runner_sha256=m.runner_sha256, artifact_hash=m.artifact_hash,
-                bundle_id=m.bundle_id, peak_rss_bytes=m.peak_rss_bytes, **base)
+                bundle_id=m.bundle_id, peak_rss_bytes=m.peak_rss_bytes,
+                target=artifact.manifest["target"]["name"], **base)
         except DeviceLostError:
             raise
         except (CommandTimeout, DeviceError) as exc:

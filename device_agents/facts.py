@@ -13,9 +13,12 @@ Two fingerprints:
   `kiln.profile.machine.host_machine().fingerprint`, the key Kiln's own SQLite profile store files
   CPU kernel latencies under, so measurements an agent takes on identical CPUs land on the same key.
 - `fingerprint` (sha256 hex) adds the rest of the identity: device kind, Arm core types, every
-  recorded ISA feature, the phone model, the GPU model, count, memory and compute capability, the
-  OpenCL device Kiln's OpenCL runner picks (where there is one: PoCL on a CPU host, a phone's GPU),
-  and whether the device is emulated. Frequencies (governors, thermal caps, kernel tables), OS versions
+  recorded ISA feature, the phone model, the GPU model, count, memory and compute capability, and
+  whether the device is emulated.
+
+Kernel signatures do not name a backend, so a device's measurements of OpenCL kernels are filed
+under another key than those of its C kernels: `device_class` of the device and the target, a
+fingerprint of the OpenCL device Kiln's runner picks there (a phone's GPU, PoCL on a CPU host). Frequencies (governors, thermal caps, kernel tables), OS versions
   and builds, driver, CUDA and OpenCL versions are recorded but left out: the same hardware keeps
   its fingerprint across governors and OS updates.
 """
@@ -47,8 +50,9 @@ from kiln.cpuinfo import (
 )
 from kiln.cpuinfo import clean_text as _clean
 from kiln.cpuinfo import parse_int as _int
+from kiln.errors import KilnError
 from kiln.profile.machine import ISA_FEATURES, static_fingerprint
-from kiln.target import runnable_targets
+from kiln.target import runnable_targets, target
 
 FACTS_VERSION = 1
 DeviceKind = Literal["cpu", "phone", "gpu-host"]
@@ -124,8 +128,6 @@ class HardwareFacts(BaseModel):
                     self.gpu_compute_capability],
             "emulated": self.emulated,
         }
-        if self.opencl_device:  # only then: devices without OpenCL keep their fingerprints
-            identity["opencl"] = [self.opencl_device, self.opencl_gpu]
         text = json.dumps(identity, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()
 
@@ -139,6 +141,36 @@ def device_targets(facts: Mapping) -> list[str]:
     runtimes = ["opencl"] if facts.get("opencl_device") else []
     return list(runnable_targets(str(facts.get("arch", "")), facts.get("isa") or (), runtimes,
                                  device_capability(facts)))
+
+
+def device_class(fingerprint: str, facts: Mapping, target_name: str) -> str:
+    """The key the device's (`fingerprint`, `facts`) measurements of an artifact for
+    `target_name` are filed under in the profile database: its fingerprint for kernels that run on
+    its CPU; for kernels on a device of its own (OpenCL, CUDA), a fingerprint of that device."""
+    if _runs_on_cpu(target_name):
+        return fingerprint
+    identity = {"version": FACTS_VERSION, "device": fingerprint,
+                "backend": target(target_name).backend, "opencl": facts.get("opencl_device"),
+                "opencl_gpu": bool(facts.get("opencl_gpu"))}
+    text = json.dumps(identity, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def has_driver_for(facts: Mapping, target_name: str) -> bool:
+    """Whether a device has the driver an artifact for `target_name` needs: always for a target
+    whose kernels run on the CPU (its architecture and ISA are checked apart), else the target
+    must be among `device_targets`."""
+    if _runs_on_cpu(target_name):
+        return True
+    return target_name in device_targets(facts)
+
+
+def _runs_on_cpu(target_name: str) -> bool:
+    """Whether a target's kernels run on the CPU; a name Kiln does not know counts as a CPU's."""
+    try:
+        return target(target_name).runs_on_cpu
+    except KilnError:
+        return True
 
 
 # ---------------------------------------------------------------------------------------------

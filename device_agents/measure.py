@@ -33,7 +33,7 @@ import numpy as np
 from pydantic import ValidationError
 
 from device_agents.backends import DeviceBackend
-from device_agents.facts import HardwareFacts
+from device_agents.facts import HardwareFacts, has_driver_for
 from device_agents.matching import gpu_mismatch
 from device_agents.protocol import (
     MAX_KERNELS,
@@ -48,6 +48,7 @@ from device_agents.protocol import (
 from kiln.files import write_atomic
 from kiln.runtime.artifact import RUNNER, WEIGHTS, Artifact
 from kiln.runtime.inputs import random_inputs
+from kiln.target import target
 
 RUNNER_NAME = "kiln-runner"
 WEIGHTS_NAME = "weights.bin"
@@ -181,6 +182,10 @@ def check_compatible(artifact: Artifact, facts: HardwareFacts, device: str) -> N
     gpu = gpu_mismatch(artifact.manifest["target"].get("gpu_arch", ""), facts, device)
     if gpu:
         raise MeasurementError(gpu)
+    name = artifact.manifest["target"]["name"]
+    if not has_driver_for(facts.model_dump(), name):
+        raise MeasurementError(f"the artifact was built for {name}, whose kernels run on a "
+                               f"{target(name).backend} device; {device} has none")
 
 
 def runner_argv(remote_dir: str, bundle: Bundle, runs: int, warmup: int,

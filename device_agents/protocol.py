@@ -183,6 +183,18 @@ class ResultUpload(_Model):
     # the runner process's peak resident memory, the largest of its invocations (None: a runner
     # built before runners reported it)
     peak_rss_bytes: int | None = Field(None, ge=1, le=MAX_PEAK_RSS_BYTES)
+    # the artifact's target (its manifest's): which of the device's classes its entries are filed
+    # under (device_agents.facts.device_class); None: its CPU's
+    target: str | None = Field(None, max_length=32)
+
+    @field_validator("target")
+    @classmethod
+    def _known_target(cls, value: str | None) -> str | None:
+        from kiln.target import TARGET_NAMES
+
+        if value is not None and value not in TARGET_NAMES:
+            raise ValueError(f"unknown target {value!r}")
+        return value
 
     @field_validator("error")
     @classmethod

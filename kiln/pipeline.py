@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping, Sequence
 from kiln import codegen, frontend, tune
 from kiln.ecg import Graph
 from kiln.measure.farm import Farm
-from kiln.plan import FusionPlan, partitioner
+from kiln.plan import FusionPlan, for_target, partitioner
 from kiln.profile import Estimate, ProfileStore, check_store
 from kiln.report import fusion_report
 from kiln.rewrite import RewriteResult, rewrite
@@ -83,7 +83,8 @@ class _ReportingStore:
 def compile_model(path: str | Path, options: CompileOptions, store: ProfileStore,
                   on_stage: StageCallback | None = None,
                   on_progress: ProgressCallback | None = None) -> Compilation:
-    choose = partitioner(options.partitioner)  # an unknown name fails before any work
+    # an unknown name or target fails before any work
+    choose = for_target(partitioner(options.partitioner), target(options.target))
     check_store(store)
     if on_progress:
         store = _ReportingStore(store, on_progress)

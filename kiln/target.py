@@ -18,6 +18,30 @@ CUDA_NAME = re.compile(r"cuda(?:-sm_?(\d{2,3}))?")
 
 
 @dataclass(frozen=True)
+class DeviceLimits:
+    """The facts of a target's device the planner's constraints come from (see
+    `kiln.plan.dnnfusion.Constraints.for_target`)."""
+
+    registers: int  # values a fused loop keeps without spilling: vector registers of a CPU, a
+    # GPU work-item's share of the register file at full occupancy
+    fast_memory_bytes: int  # a CPU core's L1 data cache; a GPU work-group's local memory
+    shared_cache_bytes: int  # the L2 every row tile of a fused contraction re-reads from
+
+
+# AVX2's 16 ymm registers, a 32 KiB L1d and 1 MiB of L2 (the constants Kiln's CPU plans use).
+CPU_LIMITS = DeviceLimits(registers=16, fast_memory_bytes=32 << 10, shared_cache_bytes=1 << 20)
+# Mobile GPUs (Adreno 6xx/7xx, Mali Valhall): about 32 live 32-bit values per work-item before the
+# compiler halves occupancy or spills, 32 KiB of local memory (OpenCL's minimum for a GPU, and
+# what Mali and Adreno give), 512 KiB of L2 or more.
+MOBILE_GPU_LIMITS = DeviceLimits(registers=32, fast_memory_bytes=32 << 10,
+                                 shared_cache_bytes=512 << 10)
+# NVIDIA sm_80 and later: 64K registers per SM shared by up to 2048 threads (32 each at full
+# occupancy), 48 KiB of shared memory per block without opting in, an L2 of 40 MiB (A100) or more.
+CUDA_GPU_LIMITS = DeviceLimits(registers=32, fast_memory_bytes=48 << 10,
+                               shared_cache_bytes=40 << 20)
+
+
+@dataclass(frozen=True)
 class Target:
     name: str  # one of TARGET_NAMES
     arch: str  # "x86_64" or "aarch64"
@@ -26,6 +50,7 @@ class Target:
     cflags: tuple[str, ...]  # ISA flags for that compiler
     backend: str = "c"  # the code generator's backend for it (kiln.codegen.backend.BACKENDS)
     gpu_arch: str = ""  # the GPU architecture the kernels are built for: "sm_80" (CUDA)
+    limits: DeviceLimits = CPU_LIMITS
 
     @property
     def compute_capability(self) -> tuple[int, int] | None:
@@ -59,10 +84,12 @@ def target(name: str) -> Target:
         cc = "gcc" if platform.machine() == "aarch64" else "aarch64-linux-gnu-gcc"
         return Target("aarch64", "aarch64", ("neon",), cc, ("-march=armv8-a",))
     if name == "opencl":  # an x86-64 host with an OpenCL driver (a GPU's, or PoCL on the CPU)
-        return Target("opencl", "x86_64", (), "gcc", (), backend="opencl")
+        return Target("opencl", "x86_64", (), "gcc", (), backend="opencl",
+                      limits=MOBILE_GPU_LIMITS)
     if name == "opencl-aarch64":  # a phone or board whose GPU has an OpenCL driver
         cc = "gcc" if platform.machine() == "aarch64" else "aarch64-linux-gnu-gcc"
-        return Target("opencl-aarch64", "aarch64", (), cc, ("-march=armv8-a",), backend="opencl")
+        return Target("opencl-aarch64", "aarch64", (), cc, ("-march=armv8-a",), backend="opencl",
+                      limits=MOBILE_GPU_LIMITS)
     cuda = CUDA_NAME.fullmatch(name)
     if cuda:
         return cuda_target(int(cuda.group(1) or CUDA_DEFAULT_SM))
@@ -74,7 +101,8 @@ def cuda_target(sm: int) -> Target:
     """Kernels for NVIDIA GPUs of architecture sm_<sm>; the host side (the driver that launches
     them, the runner) is C for this machine's architecture, for any CPU of it."""
     arch = platform.machine()
-    return Target(f"cuda-sm{sm}", arch, (), "gcc", (), backend="cuda", gpu_arch=f"sm_{sm}")
+    return Target(f"cuda-sm{sm}", arch, (), "gcc", (), backend="cuda", gpu_arch=f"sm_{sm}",
+                  limits=CUDA_GPU_LIMITS)
 
 
 def sm_capability(gpu_arch: str) -> tuple[int, int]:

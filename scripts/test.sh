@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what the test suite needs on a fresh Debian machine (Python packages, the aarch64 cross
-# compiler, qemu-user, openssh-server and PoCL's OpenCL runtime), then runs it. Extra arguments go to pytest.
+# compiler, qemu-user, openssh-server and PoCL's OpenCL runtime), then runs it. Extra arguments go
+# to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -356,3 +356,18 @@ def test_measured_yellow_verdicts_count_only_when_they_exceed_their_spread(toget
     assert plan.kernels == (1 if fused else 2)
     [decision] = [d for d in plan.decisions if d.reason.startswith("yellow")]
     assert decision.fused is fused and decision.reason.endswith(f"({basis})")
+
+
+def test_dnnfusion_constraints_come_from_the_targets_device():
+    """CPU targets keep the x86 constants; an OpenCL target's come from a mobile GPU's limits
+    (registers per work-item, local memory)."""
+    from kiln.plan import for_target
+    from kiln.plan.dnnfusion import Constraints, DNNFusion
+    from kiln.target import target
+
+    assert for_target(DNNFusion(), target("x86_64")).constraints == Constraints()
+    gpu = for_target(DNNFusion(), target("opencl")).constraints
+    limits = target("opencl").limits
+    assert gpu.max_live_values == limits.registers > Constraints().max_live_values
+    assert gpu.tiny_bytes == limits.fast_memory_bytes // 2
+    assert gpu.tile_operand_bytes == limits.shared_cache_bytes

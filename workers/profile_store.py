@@ -10,8 +10,9 @@ compile's target — the best entry, measured before predicted. On a miss:
    artifact and measured on this machine with the agents' own code; the entry is stored under
    this machine's device fingerprint and the answer is `measured`;
 2. another target: when an online agent device that runs the target's artifacts exists (its
-   architecture, and for CUDA a GPU that runs the kernels: device_agents.matching), a
-   measurement task is queued for its device class and the lookup waits for its result up to
+   architecture, for CUDA a GPU that runs the kernels (device_agents.matching), for OpenCL an
+   OpenCL driver), a measurement task is queued for its device class (for a GPU target, its GPU
+   device's) and the lookup waits for its result up to
    KILN_MEASURE_WAIT_SECONDS (and KILN_MEASURE_BUDGET_SECONDS over the whole compile);
 3. otherwise, or when that fails or times out, the roofline cost model answers (`cost-model`).
 
@@ -35,6 +36,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Sequence
 
+from device_agents.facts import device_class, has_driver_for
 from kiln.ecg import Graph
 from kiln.profile import COST_MODEL, MEASURED, Estimate
 from kiln.profile.machine import host_machine
@@ -62,13 +64,23 @@ class DatabaseProfileStore:
         self.counts: Counter[str] = Counter()
         self.wait_budget = settings.measure_budget_seconds
         self._unmeasurable: set[str] = set()
-        self.fingerprint = self._device_class()
+        # the key its entries are filed under, and the device that measures for it
+        self.fingerprint, self.route = self._device_class()
 
-    def _device_class(self) -> str | None:
+    def _device_class(self) -> tuple[str | None, str | None]:
+        """(device class, device fingerprint) of a device that runs the target's artifacts: this
+        machine for `host`; else an online agent device with the target's architecture and driver
+        (the class of an OpenCL target is the OpenCL device's: device_agents.facts.device_class)."""
         if self.local:
-            return self._here()
-        online = devices.online_devices_for(self.db, self.target.arch, self.target.gpu_arch)
-        return online[0].fingerprint if online else None
+            return self._here(), None
+        online = [d for d in devices.online_devices_for(self.db, self.target.arch,
+                                                        self.target.gpu_arch)
+                  if has_driver_for(d.facts or {}, self.target.name)]
+        if not online:
+            return None, None
+        device = online[0]
+        return device_class(device.fingerprint, device.facts or {}, self.target.name), \
+            device.fingerprint
 
     def _here(self) -> str:
         """This machine's device class, where the tuner's measurements belong."""
@@ -169,7 +181,7 @@ class DatabaseProfileStore:
             wait = min(self.settings.measure_wait_seconds, self.wait_budget)
             task = submit_probes(
                 self.db, self.storage, built, self.target.arch, gpu_arch=self.target.gpu_arch,
-                device_fingerprint=self.fingerprint, runs=self.settings.measure_runs,
+                device_fingerprint=self.route, runs=self.settings.measure_runs,
                 priority=10, max_attempts=self.settings.measure_max_attempts,
                 deadline=utcnow() + timedelta(seconds=self.settings.measure_task_ttl_seconds))
         self.counts["dispatched"] += 1

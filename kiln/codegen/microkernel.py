@@ -20,6 +20,7 @@ the register file: accumulators + B vectors + one broadcast ≤ the number of ve
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 # (vector bytes, mr, nr) per ISA, widest first: 32 zmm → 12×32 (24 accumulators); 16 ymm → 6×16
@@ -71,35 +72,43 @@ def tile_for(isa: tuple[str, ...], dtype: str, vector_bytes: int = 0, mr: int = 
 
 def vector_extension_source(k: MicroKernel) -> str:
     """The micro-kernel as C with GCC vector extensions (the C backend's provider)."""
-    lanes, vectors = k.lanes, k.nr // k.lanes
-    if k.nr % lanes:
-        raise ValueError(f"nr={k.nr} is not a multiple of {lanes} lanes")
+    if k.nr % k.lanes:
+        raise ValueError(f"nr={k.nr} is not a multiple of {k.lanes} lanes")
     vec, vecu = f"{k.function}_v", f"{k.function}_vu"
     rows = "const int32_t *restrict rows" if k.indirect else "int64_t ldb"
-    row = "rows[k]" if k.indirect else "k * ldb"
-    lines = [
+    head = [
         f"typedef {k.scalar} {vec} __attribute__((vector_size({k.vector_bytes})));",
         f"typedef {k.scalar} {vecu} __attribute__((vector_size({k.vector_bytes}), aligned({4 if k.dtype == 'float32' else 8})));",
         f"static inline void {k.function}(int64_t kc, const {k.scalar} *restrict a, "
         f"const {k.scalar} *restrict b, {rows}, {k.scalar} *restrict c, int64_t ldc, "
         f"int accumulate) {{",
     ]
+    body = register_tile_body(k, vec, "int64_t",
+                              load=lambda p: f"*(const {vecu} *)({p})",
+                              store=lambda value, p: f"*({vecu} *)({p}) = {value}",
+                              zero=f"({vec}){{0}}")
+    return "\n".join(head + body + ["}"])
+
+
+def register_tile_body(k: MicroKernel, vec: str, index: str, load: Callable[[str], str],
+                       store: Callable[[str, str], str], zero: str) -> list[str]:
+    """The body of a micro-kernel function over (kc, a, b, ldb, c, ldc, accumulate): `mr` ×
+    `nr / lanes` accumulators of the vector type `vec`, loaded (`load(pointer)`) or `zero`, updated
+    `kc` times, stored (`store(value, pointer)`). Every backend's micro-kernel shares it; each
+    spells its vector type and memory accesses."""
+    lanes, vectors = k.lanes, k.nr // k.lanes
     acc = [[f"c{r}_{v}" for v in range(vectors)] for r in range(k.mr)]
-    for r in range(k.mr):
-        for v in range(vectors):
-            lines.append(f"  {vec} {acc[r][v]} = accumulate ? *(const {vecu} *)(c + {r} * ldc + "
-                         f"{v * lanes}) : ({vec}){{0}};")
-    lines.append("  for (int64_t k = 0; k < kc; ++k) {")
-    lines.append(f"    const {k.scalar} *restrict bk = b + {row};")
-    for v in range(vectors):
-        lines.append(f"    const {vec} b{v} = *(const {vecu} *)(bk + {v * lanes});")
+    lines = [f"  {vec} {acc[r][v]} = accumulate ? {load(f'c + {r} * ldc + {v * lanes}')} : {zero};"
+             for r in range(k.mr) for v in range(vectors)]
+    lines.append(f"  for ({index} k = 0; k < kc; ++k) {{")
+    row = "rows[k]" if k.indirect else "k * ldb"  # an indirect kernel reads B rows by offset
+    lines += [f"    const {vec} b{v} = {load(f'b + {row} + {v * lanes}')};"
+              for v in range(vectors)]
     for r in range(k.mr):
         lines.append(f"    {{ const {k.scalar} a{r} = a[k * {k.mr} + {r}];")
         lines.extend(f"      {acc[r][v]} += a{r} * b{v};" for v in range(vectors))
         lines.append("    }")
     lines.append("  }")
-    for r in range(k.mr):
-        for v in range(vectors):
-            lines.append(f"  *({vecu} *)(c + {r} * ldc + {v * lanes}) = {acc[r][v]};")
-    lines.append("}")
-    return "\n".join(lines)
+    lines += ["  " + store(acc[r][v], f"c + {r} * ldc + {v * lanes}") + ";"
+              for r in range(k.mr) for v in range(vectors)]
+    return lines

@@ -11,6 +11,7 @@ from kiln.ecg import Graph
 from kiln.errors import PlanError
 from kiln.mapping import MappingType
 from kiln.profile import ProfileStore
+from kiln.target import Target
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,13 @@ def partitioner(name: str) -> Partitioner:
     if name not in _PARTITIONERS:
         raise PlanError(f"unknown partitioner {name!r}; choose one of {', '.join(sorted(_PARTITIONERS))}")
     return _PARTITIONERS[name]()
+
+
+def for_target(chosen: Partitioner, target: Target) -> Partitioner:
+    """`chosen` with constraints from `target`'s device, for a partitioner whose constraints
+    depend on the device (it has `for_target`); any other unchanged."""
+    specialise = getattr(chosen, "for_target", None)
+    return specialise(target) if specialise is not None else chosen
 
 
 def _load_partitioners() -> None:

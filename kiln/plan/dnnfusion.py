@@ -31,11 +31,15 @@ chain with the scores of a row tile in L1, which no split of it can (the scores 
 probabilities would go through memory, and the second contraction would be absorbed by the block
 that produces V, as a prologue). No other block may take an op of a chain.
 
-Constraints (chosen for 2-thread CPUs with AVX2's 16 vector registers and 1–2 MB of L2):
+Constraints, from the target's device limits (`kiln.target.DeviceLimits`; the figures are those
+of CPU targets, 2-thread CPUs with AVX2's 16 vector registers and 1–2 MB of L2):
   * at most 16 values live at once while a block's data-flow tree is evaluated, so a vectorised
-    fused loop keeps its temporaries in the 16 ymm registers instead of spilling;
+    fused loop keeps its temporaries in the 16 ymm registers instead of spilling (a GPU target:
+    the registers a work-item has at full occupancy);
   * at most 16 tensors read from outside (pointer arguments and streams a loop can prefetch);
-  * at most 48 ops, which bounds generated-code size and compile time.
+  * at most 48 ops, which bounds generated-code size and compile time;
+  * tiny intermediates within half the L1 (a GPU target: half a work-group's local memory), row
+    tiles' re-reads within the L2.
 """
 from __future__ import annotations
 
@@ -50,6 +54,7 @@ from kiln.plan import Decision, FusionPlan, register_partitioner
 from kiln.plan.blocks import build_plan
 from kiln.plan.chains import attention_chains
 from kiln.profile import COST_MODEL, MEASURED, Estimate, ProfileStore
+from kiln.target import Target
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,12 @@ class Constraints:
     relax_red: bool = True
     prefer_epilogues: bool = True
 
+    @classmethod
+    def for_target(cls, target: Target) -> Constraints:
+        limits = target.limits
+        return cls(max_live_values=limits.registers, tiny_bytes=limits.fast_memory_bytes // 2,
+                   tile_operand_bytes=limits.shared_cache_bytes)
+
 
 @register_partitioner("dnnfusion")
 class DNNFusion:
@@ -69,6 +80,10 @@ class DNNFusion:
 
     def __init__(self, constraints: Constraints = Constraints()):
         self.constraints = constraints
+
+    def for_target(self, target: Target) -> DNNFusion:
+        """This partitioner with the constraints of `target`'s device."""
+        return DNNFusion(Constraints.for_target(target))
 
     def __call__(self, graph: Graph, store: ProfileStore) -> FusionPlan:
         return _Planning(graph, store, self.constraints).run(self.name)

@@ -73,6 +73,7 @@ def model_source(graph: Graph, kernels: Sequence[Kernel], memory: MemoryPlan,
         _descriptors(graph, ordered, memory),
         _steps(ordered, memory, units),
         _copies(memory),
+        HELPERS_C,
         _RUNTIME,
     ]
     return "\n\n".join(sections) + "\n"
@@ -167,6 +168,22 @@ typedef struct { kiln_kernel_fn fn; size_t first; size_t count; } kiln_step;
 typedef struct { int region; size_t where; } kiln_ref;
 typedef struct { size_t output; kiln_ref source; size_t nbytes; } kiln_copy;"""
 
+# C helpers every driver defines (after its includes).
+HELPERS_C = r"""static void kiln_fail(char *error, size_t size, const char *format, ...) {
+    va_list ap;
+    if (size == 0) return;
+    va_start(ap, format);
+    vsnprintf(error, size, format, ap);
+    va_end(ap);
+}
+
+static uint64_t kiln_now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+"""
+
 _RUNTIME = r"""struct kiln_model {
     unsigned char *arena;
     unsigned char *scratch;
@@ -175,14 +192,6 @@ _RUNTIME = r"""struct kiln_model {
     int threads;
     uint64_t *profile;
 };
-
-static void kiln_fail(char *error, size_t size, const char *format, ...) {
-    va_list ap;
-    if (size == 0) return;
-    va_start(ap, format);
-    vsnprintf(error, size, format, ap);
-    va_end(ap);
-}
 
 static void *kiln_alloc(size_t nbytes) {
     size_t rounded = (nbytes + 63u) / 64u * 64u;
@@ -255,12 +264,6 @@ int kiln_model_threads(const kiln_model *m) {
 }
 
 void kiln_model_set_profile(kiln_model *m, uint64_t *kernel_ns) { m->profile = kernel_ns; }
-
-static uint64_t kiln_now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
 
 static const void *kiln_source(kiln_model *m, kiln_ref ref, void *const *inputs,
                                void *const *outputs) {

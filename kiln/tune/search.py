@@ -155,9 +155,9 @@ def tune_plan(plan: FusionPlan, target: Target, store: ProfileStore, mode: str =
         return TuneResult({}, report | {"seconds": 0.0})
     if not here and farm is None:
         report["skipped"]["all"] = (f"target {target.name} ({target.arch}, "
-                                    f"{'/'.join(target.isa or (target.gpu_arch,))}) cannot be "
-                                    f"measured on this machine, and no device of the farm "
-                                    f"matches it")
+                                    f"{'/'.join(target.isa) or target.gpu_arch or target.backend}"
+                                    f") cannot be measured on this machine, and no device of the "
+                                    f"farm matches it")
         return TuneResult({}, report | {"seconds": 0.0})
     check_supported(plan.graph)
     deadline = start + budget
@@ -249,8 +249,9 @@ def _describe(entry: dict[str, Any]) -> str:
 
 
 def _runs_here(target: Target) -> bool:
-    """Whether the harness can time the target's kernels here: C for this CPU. A GPU's kernels
-    are measured through their runner on a device of the farm (a local agent's included)."""
+    """Whether the harness can time the target's kernels here: it calls them as C functions, so
+    a target whose kernels run on a device (OpenCL, CUDA) is measured through their runner on a
+    device of the farm (a local agent's included)."""
     host = host_target()
     return target.runs_on_cpu and target.is_native and set(target.isa) <= set(host.isa)
 

@@ -27,6 +27,7 @@ from device_agents.matching import (
     gpu_arch_number,
     gpu_mismatch,
 )
+from device_agents.facts import device_class
 from service.db import Database, utcnow
 from service.devices.tables import Agent, Device, MeasurementTask
 from service.profiles.service import NewEntry, ProfileError, summarize, upsert_entries
@@ -291,7 +292,8 @@ def submit_result(db: Database, agent_id: str, body: p.ResultUpload,
             task.status, task.error = FAILED, body.error
         else:
             entries = entries_of(task, body)
-            written = upsert_entries(s, device.fingerprint, entries)
+            key = device_class(device.fingerprint, device.facts or {}, body.target or "host")
+            written = upsert_entries(s, key, entries)
             task.status, task.error, task.entries = DONE, None, written
         task.finished_at, task.lease_expires_at = now, None
         device.last_heartbeat_at = now

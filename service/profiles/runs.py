@@ -22,6 +22,7 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from device_agents import protocol as p
+from device_agents.facts import has_driver_for
 from kiln.signature import canonical_json
 from service.db import Database, utcnow
 from service.devices import selector as sel
@@ -130,9 +131,10 @@ def _job_artifact(db: Database, tenant_id: str, job_id: str) -> tuple[Job, Artif
 def candidates(db: Database, selector: sel.Selector, manifest: dict[str, Any]) -> list[Device]:
     """Online agent devices that can run the artifact and match the selector, freshest first."""
     arch, isa = manifest["target"]["arch"], set(manifest["target"].get("isa") or ())
+    name = manifest["target"]["name"]
     return [d for d in devices.online_devices_for(db, arch, manifest["target"].get("gpu_arch", ""))
             if d.transport != WORKER and isa <= set((d.facts or {}).get("isa") or ())
-            and selector.matches(d)]
+            and has_driver_for(d.facts or {}, name) and selector.matches(d)]
 
 
 def start(db: Database, storage: Storage, tenant_id: str, job_id: str,

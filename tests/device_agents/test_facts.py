@@ -88,6 +88,11 @@ def test_clinfo():
     assert adreno["opencl_device"] == "QUALCOMM Adreno(TM) 740" and adreno["opencl_gpu"]
     pocl = f.parse_clinfo(s.CLINFO_CPU_ONLY)  # a CPU OpenCL device runs OpenCL, not as a GPU
     assert (pocl["opencl_device"], pocl["opencl_gpu"]) == ("cpu-haswell-AMD EPYC", False)
+    later = ("NULL platform behavior\n  clCreateContext(NULL, ...) [default]"
+             "         Success [P0]\n    Platform Name                                 "
+             "Portable Computing Language\n    Device Name                                   "
+             "cpu-haswell-AMD EPYC\n")  # names the device again, without its type
+    assert f.parse_clinfo(s.CLINFO_CPU_ONLY + later) == pocl
     assert f.parse_clinfo("Number of platforms                               0\n") == {}
 
 
@@ -99,7 +104,13 @@ def test_a_cpu_opencl_device_is_recorded_but_is_no_gpu():
     assert facts.opencl_device == "cpu-haswell-AMD EPYC"
     without = f.facts_from_probe(s.probe_output({k: v for k, v in sections.items()
                                                  if k != "clinfo"}), "", "local")
-    assert without.fingerprint != facts.fingerprint  # profile entries of OpenCL kernels differ
+    assert without.fingerprint == facts.fingerprint  # C kernels run alike with or without PoCL
+    dumped = facts.model_dump()
+    assert f.device_class(facts.fingerprint, dumped, "x86_64") == facts.fingerprint
+    opencl = f.device_class(facts.fingerprint, dumped, "opencl")
+    assert opencl != facts.fingerprint and len(opencl) == 64  # OpenCL kernels: their own key
+    other = dumped | {"opencl_device": "another-gpu", "opencl_gpu": True}
+    assert f.device_class(facts.fingerprint, other, "opencl") != opencl
 
 
 def test_targets_a_device_runs():

@@ -107,3 +107,25 @@ def test_another_target_dispatches_to_a_matching_agent_device(setup, tmp_path):
                                                                   phone.fingerprint)
     assert task.signature == kernel_signature(graph, ["op0"]) and task.priority == 10
     assert storage.resolve(task.artifact_path).is_file()
+
+
+def test_an_opencl_target_files_under_the_opencl_device_of_a_device_that_has_one(setup):
+    """Only a device with an OpenCL driver measures for an OpenCL target; its entries go under
+    its OpenCL device's class, its tasks to the device itself."""
+    from device_agents import protocol as p
+    from device_agents.facts import HardwareFacts, device_class
+
+    settings, db, storage = setup
+    cpu = HardwareFacts(kind="cpu", arch="x86_64", abi="x86_64", os="Linux", cpu_model="x",
+                        logical_cores=2, isa=("avx2", "fma"))
+    agent, _token = devices.create_agent(db, "hosts")
+    devices.register(db, agent.id, p.DeviceRegistration(
+        name="plain", transport="ssh", facts=cpu, fingerprint=cpu.fingerprint, agent_version="t"))
+    assert DatabaseProfileStore(db, storage, settings, "opencl").fingerprint is None
+    gpu = cpu.model_copy(update={"cpu_model": "y", "opencl_device": "Some GPU",
+                                 "opencl_gpu": True})
+    devices.register(db, agent.id, p.DeviceRegistration(
+        name="gpu", transport="ssh", facts=gpu, fingerprint=gpu.fingerprint, agent_version="t"))
+    store = DatabaseProfileStore(db, storage, settings, "opencl")
+    assert store.route == gpu.fingerprint
+    assert store.fingerprint == device_class(gpu.fingerprint, gpu.model_dump(), "opencl")

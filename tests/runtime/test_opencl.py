@@ -16,17 +16,13 @@ import pytest
 from kiln.cli import main
 from kiln.codegen import generate
 from kiln.codegen.render.gpu import GpuRenderer
-from kiln.errors import UnsupportedOpsError
 from kiln.pipeline import CompileOptions, compile_artifact, compile_model
 from kiln.profile.local import default_store
 from kiln.runtime.artifact import open_artifact
 from kiln.runtime.execute import runner_prefix
 from kiln.target import target
 from tests.runtime.conftest import cross_toolchain_missing
-
-ZOO = Path(__file__).resolve().parents[1] / "fixtures" / "zoo"
-TINY = sorted(p.stem for p in ZOO.glob("*.onnx"))
-
+from tests.runtime.test_end_to_end import TINY, ZOO, compile_or_skip
 
 def opencl_missing() -> str | None:
     """Why no OpenCL device can run kernels here, or None."""
@@ -43,19 +39,11 @@ def opencl_missing() -> str | None:
 needs_opencl = pytest.mark.skipif(opencl_missing() is not None, reason=str(opencl_missing()))
 
 
-def compile_or_skip(name: str, target_name: str, out: Path) -> dict:
-    options = CompileOptions(target=target_name)
-    try:
-        return compile_artifact(ZOO / f"{name}.onnx", out, options, default_store(":memory:"))
-    except UnsupportedOpsError as exc:
-        pytest.skip(f"{name}: {exc}")
-
-
 @needs_opencl
 @pytest.mark.parametrize("name", TINY)
 def test_tiny_model_verifies_with_opencl(name, tmp_path, capsys):
     out = tmp_path / f"{name}-opencl.kiln"
-    compile_or_skip(name, "opencl", out)
+    compile_or_skip(name, "dnnfusion", "opencl", out)
     assert main(["verify", str(out), str(ZOO / f"{name}.onnx")]) == 0, capsys.readouterr().out
 
 
@@ -131,7 +119,7 @@ def test_the_phone_runner_cross_compiles_and_says_when_opencl_is_missing(tmp_pat
     if reason:
         pytest.skip(f"cannot cross-build for aarch64: {reason}")
     out = tmp_path / "resnet50-phone.kiln"
-    compile_or_skip("resnet50", "opencl-aarch64", out)
+    compile_or_skip("resnet50", "dnnfusion", "opencl-aarch64", out)
     artifact = open_artifact(out)
     assert artifact.arch == "aarch64"
     header = artifact.runner.read_bytes()[:20]

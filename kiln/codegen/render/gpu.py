@@ -29,7 +29,7 @@ from collections.abc import Callable
 from kiln.codegen import ir
 from kiln.codegen.expr import Expr
 from kiln.codegen.kernel import Launch
-from kiln.codegen.microkernel import MicroKernel
+from kiln.codegen.microkernel import MicroKernel, register_tile_body
 from kiln.codegen.render.cstyle import HELPERS, CStyleRenderer, _guarded, _indent
 from kiln.codegen.schedule import Schedule
 
@@ -171,32 +171,16 @@ class GpuRenderer(CStyleRenderer):
     # --- micro-kernels ------------------------------------------------------------------------
     def micro_kernel(self, k: MicroKernel) -> str:
         """The register-tiled GEMM micro-kernel: `mr` × `nr / lanes` vector accumulators."""
-        lanes, vectors, s = k.lanes, k.nr // k.lanes, k.scalar
-        vec, g = self.vector_type(s, lanes), self.global_space
-        lines = [f"{self.function_qualifier()} void {k.function}({self.index_type} kc, "
-                 f"{g} const {s} *a, {g} const {s} *b, {self.index_type} ldb, {s} *c, "
-                 f"{self.index_type} ldc, int accumulate) {{"]
-        acc = [[f"c{r}_{v}" for v in range(vectors)] for r in range(k.mr)]
-        for r in range(k.mr):
-            for v in range(vectors):
-                load = self.vector_load(s, lanes, f"c + {r} * ldc + {v * lanes}")
-                lines.append(f"  {vec} {acc[r][v]} = accumulate ? {load} : "
-                             f"{self.vector_zero(s, lanes)};")
-        lines.append(f"  for ({self.index_type} k = 0; k < kc; ++k) {{")
-        for v in range(vectors):
-            lines.append(f"    const {vec} b{v} = "
-                         f"{self.vector_load(s, lanes, f'b + k * ldb + {v * lanes}')};")
-        for r in range(k.mr):
-            lines.append(f"    {{ const {s} a{r} = a[k * {k.mr} + {r}];")
-            lines.extend(f"      {acc[r][v]} += a{r} * b{v};" for v in range(vectors))
-            lines.append("    }")
-        lines.append("  }")
-        for r in range(k.mr):
-            for v in range(vectors):
-                lines.append("  " + self.vector_store(s, lanes, acc[r][v],
-                                                      f"c + {r} * ldc + {v * lanes}") + ";")
-        lines.append("}")
-        return "\n".join(lines)
+        s, g, lanes = k.scalar, self.global_space, k.lanes
+        head = (f"{self.function_qualifier()} void {k.function}({self.index_type} kc, "
+                f"{g} const {s} *a, {g} const {s} *b, {self.index_type} ldb, {s} *c, "
+                f"{self.index_type} ldc, int accumulate) {{")
+        body = register_tile_body(
+            k, self.vector_type(s, lanes), self.index_type,
+            load=lambda pointer: self.vector_load(s, lanes, pointer),
+            store=lambda value, pointer: self.vector_store(s, lanes, value, pointer),
+            zero=self.vector_zero(s, lanes))
+        return "\n".join([head, *body, "}"])
 
     # --- expressions --------------------------------------------------------------------------
     def render(self, e: Expr, a: list[str]) -> str:
