@@ -61,7 +61,7 @@ def add_compile_command(commands) -> argparse.ArgumentParser:
                      help="value of an input's symbolic dimensions (repeatable)")
     cmd.add_argument("-o", "--output", metavar="MODEL.kiln",
                      help="build the artifact here (without it, stop after planning)")
-    cmd.add_argument("--target", default="host", type=_target_name, metavar="TARGET",
+    cmd.add_argument("--target", default="host", type=target_name, metavar="TARGET",
                      help=f"machine the artifact runs on: {', '.join(TARGET_NAMES)} or "
                           f"cuda-sm<NN> (default: host, this one)")
     cmd.add_argument("--no-rewrite", action="store_true",
@@ -106,7 +106,8 @@ class _LineHelpFormatter(argparse.HelpFormatter):
         return lines
 
 
-def _target_name(text: str) -> str:
+def target_name(text: str) -> str:
+    """--target (of `kiln compile` and `kiln submit`): a name kiln.target knows."""
     try:
         target(text)
     except KilnError as exc:

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from kiln.codegen import Kernel
 from kiln.ecg import Graph
 from kiln.errors import KilnError
-from kiln.runtime.driver import KernelUnit, _descriptors, header_text
+from kiln.runtime.driver import HELPERS_C, KernelUnit, _descriptors, header_text
 from kiln.runtime.memory import MemoryPlan
 from kiln.runtime.nvcc import CudaImages
 from kiln.runtime.opencl_driver import _copies, _launches, program_source
@@ -57,6 +57,7 @@ def model_source(graph: Graph, kernels: Sequence[Kernel], memory: MemoryPlan,
         f"#define KILN_OUTPUT_SLOTS {max(len(graph.outputs), 1)}",
         _launches(ordered, memory, units),
         _copies(memory),
+        HELPERS_C,
         _RUNTIME,
     ]
     return "\n\n".join(sections) + "\n"
@@ -164,14 +165,6 @@ struct kiln_model {
     int multiprocessors;
     uint64_t *profile;
 };
-
-static void kiln_fail(char *error, size_t size, const char *format, ...) {
-    va_list ap;
-    if (size == 0) return;
-    va_start(ap, format);
-    vsnprintf(error, size, format, ap);
-    va_end(ap);
-}
 
 static const char *kiln_cuda_error(kiln_model *m, CUresult status) {
     const char *text = NULL;
@@ -284,24 +277,13 @@ static CUresult kiln_alloc(kiln_model *m, CUdeviceptr *where, size_t nbytes) {
 }
 
 static int kiln_read_weights(kiln_model *m, const char *path, char *error, size_t size) {
-    FILE *f = fopen(path, "rb");
     unsigned char *data = malloc(kiln_model_weights_bytes ? kiln_model_weights_bytes : 1u);
-    size_t got;
-    int extra;
     CUresult status = CUDA_SUCCESS;
-    if (!f || !data) {
-        kiln_fail(error, size, "cannot open weights file %s: %s", path,
-                  f ? "out of memory" : strerror(errno));
-        if (f) fclose(f);
-        free(data);
+    if (!data) {
+        kiln_fail(error, size, "cannot read weights file %s: out of memory", path);
         return -1;
     }
-    got = kiln_model_weights_bytes ? fread(data, 1, kiln_model_weights_bytes, f) : 0;
-    extra = fgetc(f);
-    fclose(f);
-    if (got != kiln_model_weights_bytes || extra != EOF) {
-        kiln_fail(error, size, "weights file %s does not hold the %zu bytes this model expects",
-                  path, kiln_model_weights_bytes);
+    if (kiln_read_weights_file(path, data, error, size) != 0) {
         free(data);
         return -1;
     }
@@ -376,12 +358,6 @@ void kiln_model_set_threads(kiln_model *m, int threads) { (void)m; (void)threads
 int kiln_model_threads(const kiln_model *m) { return m->multiprocessors; }
 
 void kiln_model_set_profile(kiln_model *m, uint64_t *kernel_ns) { m->profile = kernel_ns; }
-
-static uint64_t kiln_now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
 
 /* With profiling on, each kernel's time runs from its first launch until the GPU is idle. */
 int kiln_model_run(kiln_model *m, void *const *inputs, void *const *outputs) {

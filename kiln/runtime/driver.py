@@ -182,6 +182,27 @@ static uint64_t kiln_now_ns(void) {
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
+
+/* The weights file, exactly kiln_model_weights_bytes bytes, into `data`: 0, else -1 and `error`. */
+static int kiln_read_weights_file(const char *path, unsigned char *data, char *error,
+                                  size_t size) {
+    FILE *f = fopen(path, "rb");
+    size_t got;
+    int extra;
+    if (!f) {
+        kiln_fail(error, size, "cannot open weights file %s: %s", path, strerror(errno));
+        return -1;
+    }
+    got = kiln_model_weights_bytes ? fread(data, 1, kiln_model_weights_bytes, f) : 0;
+    extra = fgetc(f);
+    fclose(f);
+    if (got != kiln_model_weights_bytes || extra != EOF) {
+        kiln_fail(error, size, "weights file %s does not hold the %zu bytes this model expects",
+                  path, kiln_model_weights_bytes);
+        return -1;
+    }
+    return 0;
+}
 """
 
 _RUNTIME = r"""struct kiln_model {
@@ -199,22 +220,7 @@ static void *kiln_alloc(size_t nbytes) {
 }
 
 static int kiln_read_weights(kiln_model *m, const char *path, char *error, size_t size) {
-    FILE *f = fopen(path, "rb");
-    size_t got;
-    int extra;
-    if (!f) {
-        kiln_fail(error, size, "cannot open weights file %s: %s", path, strerror(errno));
-        return -1;
-    }
-    got = kiln_model_weights_bytes ? fread(m->weights, 1, kiln_model_weights_bytes, f) : 0;
-    extra = fgetc(f);
-    fclose(f);
-    if (got != kiln_model_weights_bytes || extra != EOF) {
-        kiln_fail(error, size, "weights file %s does not hold the %zu bytes this model expects",
-                  path, kiln_model_weights_bytes);
-        return -1;
-    }
-    return 0;
+    return kiln_read_weights_file(path, m->weights, error, size);
 }
 
 static void *kiln_resolve(kiln_model *m, kiln_ref ref) {

@@ -326,24 +326,13 @@ static size_t kiln_offset(kiln_ref ref) {
 }
 
 static int kiln_read_weights(kiln_model *m, const char *path, char *error, size_t size) {
-    FILE *f = fopen(path, "rb");
     unsigned char *data = malloc(kiln_model_weights_bytes ? kiln_model_weights_bytes : 1u);
-    size_t got;
-    int extra;
     cl_int status = CL_SUCCESS;
-    if (!f || !data) {
-        kiln_fail(error, size, "cannot open weights file %s: %s", path,
-                  f ? "out of memory" : strerror(errno));
-        if (f) fclose(f);
-        free(data);
+    if (!data) {
+        kiln_fail(error, size, "cannot read weights file %s: out of memory", path);
         return -1;
     }
-    got = kiln_model_weights_bytes ? fread(data, 1, kiln_model_weights_bytes, f) : 0;
-    extra = fgetc(f);
-    fclose(f);
-    if (got != kiln_model_weights_bytes || extra != EOF) {
-        kiln_fail(error, size, "weights file %s does not hold the %zu bytes this model expects",
-                  path, kiln_model_weights_bytes);
+    if (kiln_read_weights_file(path, data, error, size) != 0) {
         free(data);
         return -1;
     }

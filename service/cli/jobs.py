@@ -18,12 +18,13 @@ LOOPBACK = {"localhost", "127.0.0.1", "::1", "0.0.0.0", "::"}
 
 
 def add_commands(commands) -> None:
+    from kiln.cli import target_name
     from kiln.plan import partitioner_names
     from kiln.tune import DEFAULT_BUDGET_S, DEFAULT_MODE, TUNE_MODES
 
     submit = commands.add_parser("submit", help="compile a model on a Kiln service")
     submit.add_argument("model", help="path to an .onnx file")
-    submit.add_argument("--target", default="host", type=_target_name,
+    submit.add_argument("--target", default="host", type=target_name,
                         help="machine the artifact runs on, as for `kiln compile` (default host)")
     submit.add_argument("--partitioner", default="dnnfusion", choices=partitioner_names(),
                         help="how ops are grouped into kernels (default dnnfusion)")
@@ -78,18 +79,6 @@ def client_args(cmd) -> None:
     cmd.add_argument("--url", help="service URL (default $KILN_URL, else the local service)")
     cmd.add_argument("--api-key", help="API key (default $KILN_API_KEY, else the local "
                      "service's default key)")
-
-
-def _target_name(text: str) -> str:
-    """--target: a name kiln.target knows, checked here as `kiln compile` checks it."""
-    from kiln.errors import KilnError
-    from kiln.target import target
-
-    try:
-        target(text)
-    except KilnError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
 
 
 def service_url(args: argparse.Namespace) -> str:
