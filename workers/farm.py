@@ -22,6 +22,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from device_agents.facts import device_class, has_driver_for
 from kiln.ecg import Graph
 from kiln.measure.farm import FarmCandidate
 from kiln.measure.harness import BatchResult
@@ -45,13 +46,15 @@ class AgentFarm:
     def __init__(self, db: Database, storage: Storage, settings: Settings, target: Target,
                  device: Device):
         self.db, self.storage, self.settings, self.target = db, storage, settings, target
-        self.fingerprint = device.fingerprint
+        self.fingerprint = device.fingerprint  # where its tasks go
+        # where its entries are filed: for an OpenCL or CUDA target, the class of the GPU device
+        self.device_class = device_class(device.fingerprint, device.facts or {}, target.name)
         self.threads: int | None = (device.facts or {}).get("logical_cores")
         self.device = f"{device.name} ({device.kind}, {device.arch}, {device.fingerprint[:12]})"
 
     def schedules(self, graph: Graph, op_ids: Sequence[str]) -> list[tuple[dict[str, Any], float]]:
         with self.db.read() as s:
-            rows = profiles.schedules(s, self.fingerprint, kernel_signature(graph, op_ids))
+            rows = profiles.schedules(s, self.device_class, kernel_signature(graph, op_ids))
         return [(schedule, median) for schedule, median, _source in rows]
 
     def measure(self, graph: Graph, op_ids: Sequence[str], candidates: Sequence[FarmCandidate],
@@ -109,5 +112,12 @@ class AgentFarm:
     def for_target(cls, db: Database, storage: Storage, settings: Settings,
                    target: Target) -> "AgentFarm | None":
         """A farm on the first online device that runs `target`'s artifacts; None if none does."""
-        online = devices.online_devices_for(db, target.arch, target.gpu_arch)
+        online = devices_for_target(db, target)
         return cls(db, storage, settings, target, online[0]) if online else None
+
+
+def devices_for_target(db: Database, target: Target) -> list[Device]:
+    """Online devices that run `target`'s artifacts: its architecture, for CUDA a GPU that runs
+    its kernels, for OpenCL an OpenCL driver; most recently seen first."""
+    return [d for d in devices.online_devices_for(db, target.arch, target.gpu_arch)
+            if has_driver_for(d.facts or {}, target.name)]

@@ -36,7 +36,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Sequence
 
-from device_agents.facts import device_class, has_driver_for
+from device_agents.facts import device_class
 from kiln.ecg import Graph
 from kiln.profile import COST_MODEL, MEASURED, Estimate
 from kiln.profile.machine import host_machine
@@ -48,6 +48,7 @@ from service.profiles import service as profiles
 from service.profiles.measure import local_facts, measure_here, submit_probes
 from service.settings import Settings
 from service.storage import Storage
+from workers.farm import AgentFarm, devices_for_target
 
 log = logging.getLogger("kiln.worker")
 POLL_S = 0.2
@@ -73,9 +74,7 @@ class DatabaseProfileStore:
         (the class of an OpenCL target is the OpenCL device's: device_agents.facts.device_class)."""
         if self.local:
             return self._here(), None
-        online = [d for d in devices.online_devices_for(self.db, self.target.arch,
-                                                        self.target.gpu_arch)
-                  if has_driver_for(d.facts or {}, self.target.name)]
+        online = devices_for_target(self.db, self.target)
         if not online:
             return None, None
         device = online[0]
@@ -89,8 +88,6 @@ class DatabaseProfileStore:
     def farm(self):
         """The farm that tunes this compile's target, when it does not run here and an online
         device runs it (a workers.farm.AgentFarm); else None."""
-        from workers.farm import AgentFarm
-
         if self.local:
             return None
         return AgentFarm.for_target(self.db, self.storage, self.settings, self.target)

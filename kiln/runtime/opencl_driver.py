@@ -23,7 +23,6 @@ from collections.abc import Sequence
 
 from kiln.codegen import Kernel
 from kiln.ecg import Graph
-from kiln.errors import KilnError
 from kiln.runtime.driver import (
     HELPERS_C,
     KernelUnit,
@@ -83,8 +82,8 @@ def _c_literal(text: str) -> str:
             out.append("\\n")
         elif " " <= ch <= "~":
             out.append(ch)
-        else:
-            raise KilnError(f"kernel source holds a character {ch!r} the driver cannot embed")
+        else:  # e.g. a stage comment's arrow: its UTF-8 bytes, each as three octal digits
+            out.extend(f"\\{b:03o}" for b in ch.encode("utf-8"))
     return '"' + "".join(out) + '"'
 
 

@@ -12,7 +12,10 @@ import asyncio
 import threading
 import time
 
+import pytest
+
 from device_agents.agent import Agent
+from device_agents.facts import device_class
 from kiln.pipeline import CompileOptions, compile_model
 from kiln.profile.machine import host_machine
 from kiln.profile.roofline import RooflineModel
@@ -21,6 +24,7 @@ from kiln.tune import format_tuning, tune_plan
 from service.settings import Settings
 from tests.device_agents.test_agent import config
 from tests.device_agents.test_agent import service  # noqa: F401  (the fixture)
+from tests.runtime.test_opencl import opencl_missing
 from tests.tune.conftest import small_model  # noqa: F401  (the fixture)
 from workers.profile_store import DatabaseProfileStore
 
@@ -125,10 +129,9 @@ def test_a_budget_that_ends_before_the_device_answers_measures_nothing(tmp_path,
     assert {t.status for t in service.tasks().values()} == {"expired"}
 
 
-def test_a_tuned_aarch64_job_through_the_service_is_measured_on_the_phone(tmp_path, service,  # noqa: F811
-                                                                          phone, small_model):  # noqa: F811
-    """The worker's compile of a job with `tune` hands the tuner the farm: the job's report says
-    the phone measured, and its entries are the phone's."""
+def tuned_job(tmp_path, service, model_path, target_name: str) -> tuple[str, dict]:  # noqa: F811
+    """A job for `model_path` with `tune="quick"` for `target_name`, run by the worker while an
+    agent is online: its status and its report's tuning section."""
     import hashlib
 
     from service.jobs import service as jobs
@@ -142,22 +145,49 @@ def test_a_tuned_aarch64_job_through_the_service_is_measured_on_the_phone(tmp_pa
                         storage_root=service.storage.root, measure_runs=3,
                         measure_budget_seconds=0, heartbeat_seconds=0.2)
     tenant = create_tenant(service.db, "acme")
-    data = small_model.read_bytes()
+    data = model_path.read_bytes()
     sha = hashlib.sha256(data).hexdigest()
-    service.storage.install_model(small_model, sha)
+    service.storage.install_model(model_path, sha)
     with service.db.write() as s:
         model = ModelRecord(tenant_id=tenant.id, sha256=sha, size_bytes=len(data),
-                            filename="ffn.onnx", opset=17,
+                            filename=model_path.name, opset=17,
                             inputs=[{"name": "x", "dtype": "float32", "shape": [1, 48, 64]}])
         s.add(model)
+    job = jobs.create(service.db, tenant.id, JobCreate(model_id=model.id, target=target_name,
+                                                       tune="quick", tune_budget_s=300))
+    status = run_job(settings, service.db, job.id, "w1")
+    with service.db.read() as s:
+        return status, s.get(Job, job.id).report["tuning"]
+
+
+def test_a_tuned_aarch64_job_through_the_service_is_measured_on_the_phone(tmp_path, service,  # noqa: F811
+                                                                          phone, small_model):  # noqa: F811
+    """The worker's compile of a job with `tune` hands the tuner the farm: the job's report says
+    the phone measured, and its entries are the phone's."""
     with AgentThread(Agent(config(tmp_path, service, local=False, phone=phone))):
         device = wait_online(service, "phone")
-        job = jobs.create(service.db, tenant.id, JobCreate(model_id=model.id, target="aarch64",
-                                                           tune="quick", tune_budget_s=300))
-        assert run_job(settings, service.db, job.id, "w1") == "succeeded"
-    with service.db.read() as s:
-        tuning = s.get(Job, job.id).report["tuning"]
+        status, tuning = tuned_job(tmp_path, service, small_model, "aarch64")
+    assert status == "succeeded"
     assert tuning["measured"] >= 2 and "phone" in tuning["device"], tuning
     entries = [e for e in service.entries() if '"kernel":' in e.schedule]
     assert len(entries) == tuning["measured"]
     assert {e.device_fingerprint for e in entries} == {device.fingerprint}
+
+
+@pytest.mark.skipif(opencl_missing() is not None, reason=str(opencl_missing()))
+def test_a_tuned_opencl_job_through_the_service_is_measured_on_the_local_opencl_device(
+        tmp_path, service, small_model):  # noqa: F811
+    """An `opencl` job with `tune`: this worker cannot run OpenCL kernels itself, so the local
+    agent's OpenCL device (PoCL) measures the candidates, filed under that device's class."""
+    with AgentThread(Agent(config(tmp_path, service))):
+        device = wait_online(service, "local")
+        status, tuning = tuned_job(tmp_path, service, small_model, "opencl")
+    assert status == "succeeded"
+    assert tuning["measured"] >= 2 and tuning["failed"] == 0, tuning
+    assert "local" in tuning["device"], tuning
+    opencl_class = device_class(device.fingerprint, device.facts, "opencl")
+    assert opencl_class != device.fingerprint
+    entries = [e for e in service.entries() if '"kernel":' in e.schedule]
+    assert len(entries) == tuning["measured"]
+    assert {e.device_fingerprint for e in entries} == {opencl_class}
+    assert all(0 < e.median_s < 60 and e.source == "measured" for e in entries)

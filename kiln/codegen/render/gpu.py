@@ -35,8 +35,11 @@ from kiln.codegen.schedule import Schedule
 
 # Schedule for GPUs: every loop that may run in parallel does, collapsed as deep as it goes (many
 # small work-items); GEMM tasks of one micro-tile each (register tiling); small private tiles.
+# No AGO intensive fusion: its tile is a CPU cache's, a work-item's private array here, which the
+# micro-kernel (reading global memory) cannot take as an operand.
 GPU_SCHEDULE = Schedule(parallel_min_work=1, parallel_min_iterations=1 << 30, gemm_mc=1,
-                        gemm_nc=1, matmul_tile_m=4, matmul_tile_n=16, conv_tile_w=32)
+                        gemm_nc=1, matmul_tile_m=4, matmul_tile_n=16, conv_tile_w=32,
+                        intensive_fusion=False)
 
 WORK_ITEM = "kiln_wi"  # the name of the work-item id in an entry point
 
@@ -172,8 +175,10 @@ class GpuRenderer(CStyleRenderer):
     def micro_kernel(self, k: MicroKernel) -> str:
         """The register-tiled GEMM micro-kernel: `mr` × `nr / lanes` vector accumulators."""
         s, g, lanes = k.scalar, self.global_space, k.lanes
+        # an indirect kernel reads B rows at b + rows[k]: an int32 offset table in global memory
+        rows = f"{g} const int *rows" if k.indirect else f"{self.index_type} ldb"
         head = (f"{self.function_qualifier()} void {k.function}({self.index_type} kc, "
-                f"{g} const {s} *a, {g} const {s} *b, {self.index_type} ldb, {s} *c, "
+                f"{g} const {s} *a, {g} const {s} *b, {rows}, {s} *c, "
                 f"{self.index_type} ldc, int accumulate) {{")
         body = register_tile_body(
             k, self.vector_type(s, lanes), self.index_type,
