@@ -57,6 +57,9 @@ class Schedule:
     # most `intensive_tile_bytes` (a quarter of a 1 MiB L2); off: two stages, a full intermediate.
     intensive_fusion: bool = True
     intensive_tile_bytes: int = 1 << 18
+    # An attention chain as one stage (`kiln.codegen.ops.fused_attention`), its tiles in local
+    # arrays; off: the chain's ops as ordinary stages.
+    fused_attention: bool = True
     # FusionStitching's blocks (`kiln.plan.stitch_schedule`): 0 leaves each memory-bound stage's
     # parallel loop to its own grain; n > 0 splits every such loop of the kernel into n equal
     # chunks handed out statically (chunk k to thread k mod threads), so that the stages of a

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from device_agents import protocol as p
-from device_agents.facts import HardwareFacts, facts_from_probe
+from device_agents.facts import HardwareFacts, device_class, facts_from_probe
 from device_agents.matching import gpu_mismatch
 from kiln.target import cuda_image_for, sm_capability, target
 from service.db import database
@@ -106,13 +106,16 @@ def test_yellow_lookups_of_a_cuda_compile_go_to_a_gpu_that_runs_it(tmp_path):
             name=name, transport="ssh", facts=facts, fingerprint=facts.fingerprint,
             agent_version="t"))
     store = DatabaseProfileStore(db, storage, settings, "cuda-sm90")
-    assert store.fingerprint == gpu_host("9.0", "h100").fingerprint
+    h100 = gpu_host("9.0", "h100")
+    assert store.route == h100.fingerprint  # its tasks go to the h100
+    assert store.fingerprint == device_class(h100.fingerprint, h100.model_dump(mode="json"),
+                                             "cuda-sm90")
     assert store.latency(mlp().plan.graph, ["op0"]).source == "cost-model"  # nobody answers
     assert store.stats()["dispatched"] == 1
     with db.read() as s:
         task = s.scalars(select(MeasurementTask)).one()
     assert (task.arch, task.gpu_capability, task.device_fingerprint) == (
-        "x86_64", 900, store.fingerprint)
+        "x86_64", 900, store.route)
     assert "kernels.sm_90.cubin" in str(zip_members(storage.resolve(task.artifact_path)))
 
 

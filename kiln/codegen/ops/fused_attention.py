@@ -128,6 +128,8 @@ def micro_kernel_for(schedule: Schedule, dtype: str) -> MicroKernel:
 
 def check(graph: Graph, chain: AttentionChain, schedule: Schedule) -> str | None:
     """Why the chain cannot run as a fused attention stage, or None."""
+    if not schedule.fused_attention:
+        return "fused attention is off in the schedule"
     first, *between, normaliser, second = chain_ops(graph, chain)
     if first.op_type != "MatMul" or second.op_type != "MatMul" or normaliser.op_type != "Softmax":
         return "not a MatMul → Softmax → MatMul chain"

@@ -35,11 +35,11 @@ from kiln.codegen.schedule import Schedule
 
 # Schedule for GPUs: every loop that may run in parallel does, collapsed as deep as it goes (many
 # small work-items); GEMM tasks of one micro-tile each (register tiling); small private tiles.
-# No AGO intensive fusion: its tile is a CPU cache's, a work-item's private array here, which the
-# micro-kernel (reading global memory) cannot take as an operand.
+# Neither AGO's intensive fusion nor fused attention: their tiles (a CPU cache's) are a work-item's
+# private arrays here, which the micro-kernel (reading global memory) cannot take as operands.
 GPU_SCHEDULE = Schedule(parallel_min_work=1, parallel_min_iterations=1 << 30, gemm_mc=1,
                         gemm_nc=1, matmul_tile_m=4, matmul_tile_n=16, conv_tile_w=32,
-                        intensive_fusion=False)
+                        intensive_fusion=False, fused_attention=False)
 
 WORK_ITEM = "kiln_wi"  # the name of the work-item id in an entry point
 
