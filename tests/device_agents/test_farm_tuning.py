@@ -1,10 +1,11 @@
-"""Tuning on the farm: `--tune` for a target this machine cannot run (aarch64) is measured by an
-agent's matching device through the measurement task queue, and lands in the profile database
-under that device's fingerprint.
+"""Tuning on the farm: `--tune` for a target this machine cannot run (aarch64, OpenCL) is measured
+by an agent's matching device through the measurement task queue, and lands in the profile
+database under that device's class (its fingerprint; for OpenCL, its OpenCL device's).
 
 Everything is real: the service in its own process, the agent (in a thread of this process) with
-the stand-in phone (an ADB wire-protocol peer running aarch64 runners under qemu), the aarch64
-cross compiler, and the workers' profile store and farm on the service's database.
+the stand-in phone (an ADB wire-protocol peer running aarch64 runners under qemu) or its local
+backend's OpenCL device (PoCL), the aarch64 cross compiler, and the workers' profile store and
+farm on the service's database.
 """
 from __future__ import annotations
 
