@@ -63,7 +63,7 @@ from kiln.codegen.gemm.spec import Contraction
 from kiln.codegen.indexing import Index
 from kiln.codegen.microkernel import tile_for
 from kiln.codegen.ops import lowering
-from kiln.codegen.ops.conv import Window, ceildiv, tap_position, valid_taps, window
+from kiln.codegen.ops.conv_window import Window, ceildiv, tap_position, valid_taps, window
 from kiln.codegen.schedule import Schedule
 from kiln.ecg import Graph, Op
 from kiln.mapping import MappingType

@@ -51,7 +51,7 @@ from kiln.codegen.expr import (
 from kiln.codegen.indexing import Index
 from kiln.codegen.lower import Builder, BlockLowering, LoweredBlock, Names
 from kiln.codegen.microkernel import tile_for
-from kiln.codegen.ops.conv import valid_taps, window
+from kiln.codegen.ops.conv_window import valid_taps, window
 from kiln.codegen.schedule import Schedule
 from kiln.ecg import Graph, Op, Tensor
 from kiln.plan import Block

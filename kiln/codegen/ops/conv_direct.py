@@ -17,7 +17,6 @@ kh·kw times it), and its loop evaluates a fused input prologue once per element
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,9 +47,8 @@ from kiln.codegen.gemm.packing import OperandSide, constant_panels, scratch_pane
 from kiln.codegen.gemm.spec import BOperand, Contraction, batch_of
 from kiln.codegen.indexing import Index
 from kiln.codegen.microkernel import MicroKernel
+from kiln.codegen.ops.conv_window import ConvOperands, Window
 
-if TYPE_CHECKING:  # conv.py imports this module
-    from kiln.codegen.ops.conv import ConvOperands, Window
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,6 @@ the weights): it pays where the image has many tiles for those weights to serve
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -43,9 +42,8 @@ from kiln.codegen.gemm.packed import micro_kernel, packed_gemm
 from kiln.codegen.gemm.packing import array_panels
 from kiln.codegen.gemm.spec import Contraction
 from kiln.codegen.indexing import Index
+from kiln.codegen.ops.conv_window import ConvOperands, Window
 
-if TYPE_CHECKING:  # conv.py imports this module
-    from kiln.codegen.ops.conv import ConvOperands, Window
 
 # (Aᵀ, G, Bᵀ) per output tile size m, for a 3-tap kernel
 TRANSFORMS = {
