@@ -174,6 +174,7 @@ class _RichProgress:
         if self.task is not None:
             self.bar.remove_task(self.task)
         self.task = self.bar.add_task(stage, total=None)
+        self.bar.refresh()  # a stage shows when it starts, however short it is
 
     def progress(self, stage: str, done: int, total: int, what: str) -> None:
         if self.task is None:
@@ -182,7 +183,8 @@ class _RichProgress:
 
         noun = "measuring kernels" if stage == "tune" else "latency lookups"
         self.bar.update(self.task, completed=done, total=total or None,
-                        description=f"{stage}: {noun} [dim]{escape(what[:60])}[/dim]")
+                        description=f"{stage}: {noun} [dim]{escape(what[:60])}[/dim]",
+                        refresh=stage == "tune")  # a measurement takes long: show each one
 
 
 def progress_view() -> _PlainProgress | _RichProgress:

@@ -103,7 +103,7 @@ def _processes_reading(path_part: str) -> list[int]:
 
 def test_a_compile_past_the_build_deadline_is_stopped_and_named(tmp_path):
     model = chain(2)
-    slow = Kernel("k1_relu", "b1", _slow_kernel("k1_relu", 8000), model.kernels[1].args,
+    slow = Kernel("k1_relu", "b1", _slow_kernel("k1_relu", 20000), model.kernels[1].args,
                   model.kernels[1].outputs)
     out = tmp_path / "slow.kiln"
     cache = tmp_path / "cache"
