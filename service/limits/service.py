@@ -25,11 +25,15 @@ def take_token(db: Database, tenant_id: str, rate: float, burst: int) -> float:
     elapsed = case((RateBucket.updated_at < now, now - RateBucket.updated_at), else_=0.0)
     level = RateBucket.tokens + elapsed * rate
     level = case((level > burst, float(burst)), else_=level)
+    # Concurrent requests read the clock before their UPDATEs queue up, so one may arrive with an
+    # earlier `now` than the bucket's: the bucket's time never goes back, or the interval between
+    # the two would be refilled twice (more than the burst passing at once across processes).
+    latest = case((RateBucket.updated_at < now, now), else_=RateBucket.updated_at)
     try:
         with db.write() as s:
             taken = s.execute(update(RateBucket).where(RateBucket.tenant_id == tenant_id,
                                                        level >= 1.0)
-                              .values(tokens=level - 1.0, updated_at=now)
+                              .values(tokens=level - 1.0, updated_at=latest)
                               .execution_options(synchronize_session=False)).rowcount
             if taken:
                 return 0.0

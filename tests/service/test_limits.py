@@ -150,3 +150,21 @@ def test_scaleout_active_jobs_streams_and_idempotency(scaleout):
 def _stream_opens(client: httpx.Client, job_id: str) -> bool:
     with client.stream("GET", f"/v1/jobs/{job_id}/events") as response:
         return response.status_code == 200
+
+
+def test_a_request_with_an_earlier_clock_does_not_turn_the_bucket_back(database_url, monkeypatch):
+    """Two processes' requests can reach the database out of clock order; the late one with the
+    earlier clock must not move the bucket's time back, or the interval is refilled twice."""
+    from service import limits
+    from service.db import database
+    from service.limits.service import take_token
+    from service.migrate import upgrade
+    from service.tenants.service import create_tenant
+
+    upgrade(database_url)
+    db = database(database_url)
+    tenant = create_tenant(db, "acme")
+    clock = iter([100.0, 99.0, 100.0])
+    monkeypatch.setattr(limits.service.time, "time", lambda: next(clock))
+    waits = [take_token(db, tenant.id, rate=1.0, burst=2) for _ in range(3)]
+    assert waits[:2] == [0.0, 0.0] and waits[2] > 0  # a burst of 2 at t=100, not 3
