@@ -36,22 +36,8 @@ def direct_cases(draw):
 @settings(max_examples=25, deadline=None)
 @given(direct_cases(), st.sampled_from(["none", "relu-in", "relu-out", "pad-in"]))
 def test_direct_conv(case, fusion):
-    x_shape, w_shape, attrs = case
-    rng = np.random.default_rng(5)
-    inits = {"w": rng.standard_normal(w_shape).astype(np.float32),
-             "b": rng.standard_normal(w_shape[0]).astype(np.float32),
-             "pads": np.array([0, 0, 1, 2, 0, 0, 2, 1], np.int64)}
-    spec = {"x": (x_shape, "float32")}
-    nodes, conv_in = [], "x"
-    if fusion == "relu-in":  # a prologue the padded copy evaluates once per element
-        nodes.append(helper.make_node("Relu", ["x"], ["xr"]))
-        conv_in = "xr"
-    elif fusion == "pad-in":  # a zero Pad folded into the conv's padding
-        nodes.append(helper.make_node("Pad", ["x", "pads"], ["xp"]))
-        conv_in = "xp"
-    nodes.append(helper.make_node("Conv", [conv_in, "w", "b"], ["c"], **attrs))
-    nodes.append(helper.make_node("Relu" if fusion == "relu-out" else "Identity", ["c"], ["y"]))
-    check_model(model(nodes, spec, ["y"], inits), random_inputs(spec), partitioners=("none", "dnnfusion"))
+    onnx_model, inputs = _conv_model(case, fusion, seed=5)
+    check_model(onnx_model, inputs, partitioners=("none", "dnnfusion"))
 
 
 def test_strided_stem_uses_the_direct_kernel():
@@ -63,11 +49,7 @@ def test_strided_stem_uses_the_direct_kernel():
     onnx_model = model([helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[7, 7],
                                          strides=[2, 2], pads=[3, 3, 3, 3])], spec, ["y"], inits)
     check_model(onnx_model, random_inputs(spec), partitioners=("none",))
-    graph = frontend.build(onnx_model, {}, "test")
-    kernels = generate(plan_for(graph, "none"), host_target())
-    forms = [info for kernel in kernels for info in kernel.schedule.get("stages", [])]
-    assert any(info.get("form") == "direct GEMM" and info.get("grid", "").startswith("4x")
-               for info in forms), forms
+    assert "direct GEMM grid 4x" in _forms(onnx_model)
 
 
 @st.composite
@@ -84,27 +66,9 @@ def winograd_cases(draw):
 @settings(max_examples=12, deadline=None)
 @given(winograd_cases(), st.sampled_from(["none", "relu-in", "relu-out"]))
 def test_winograd_conv(case, fusion):
-    x_shape, w_shape, attrs = case
-    rng = np.random.default_rng(7)
-    inits = {"w": rng.standard_normal(w_shape).astype(np.float32),
-             "b": rng.standard_normal(w_shape[0]).astype(np.float32)}
-    spec = {"x": (x_shape, "float32")}
-    nodes, conv_in = [], "x"
-    if fusion == "relu-in":
-        nodes.append(helper.make_node("Relu", ["x"], ["xr"]))
-        conv_in = "xr"
-    nodes.append(helper.make_node("Conv", [conv_in, "w", "b"], ["c"], **attrs))
-    nodes.append(helper.make_node("Relu" if fusion == "relu-out" else "Identity", ["c"], ["y"]))
-    onnx_model = model(nodes, spec, ["y"], inits)
-    check_model(onnx_model, random_inputs(spec), partitioners=("none", "dnnfusion"))
+    onnx_model, inputs = _conv_model(case, fusion, seed=7)
+    check_model(onnx_model, inputs, partitioners=("none", "dnnfusion"))
     assert "Winograd" in _forms(onnx_model)
-
-
-def _forms(onnx_model) -> str:
-    graph = frontend.build(onnx_model, {}, "test")
-    kernels = generate(plan_for(graph, "none"), host_target())
-    return " ".join(str(info.get("form")) for kernel in kernels
-                    for info in kernel.schedule.get("stages", []))
 
 
 @st.composite
@@ -128,8 +92,19 @@ def depthwise_plane_cases(draw):
 @settings(max_examples=20, deadline=None)
 @given(depthwise_plane_cases(), st.sampled_from(["none", "relu-in", "relu-out"]))
 def test_depthwise_planes(case, fusion):
+    attrs = case[2]
+    onnx_model, inputs = _conv_model(case, fusion, seed=8)
+    check_model(onnx_model, inputs, partitioners=("none", "dnnfusion"))
+    if attrs["strides"] == [1, 1] and attrs["group"] > 1:  # one channel, 1×1: a matrix product
+        assert "depthwise planes" in _forms(onnx_model)
+
+
+def _conv_model(case, fusion: str, seed: int):
+    """Conv with bias over `case` (x shape, w shape, attributes), with `fusion`: a Relu read by
+    the conv (relu-in, a prologue the padded copy evaluates once per element), a zero Pad folded
+    into its padding (pad-in), or a Relu after it (relu-out). Returns the model and its inputs."""
     x_shape, w_shape, attrs = case
-    rng = np.random.default_rng(8)
+    rng = np.random.default_rng(seed)
     inits = {"w": rng.standard_normal(w_shape).astype(np.float32),
              "b": rng.standard_normal(w_shape[0]).astype(np.float32)}
     spec = {"x": (x_shape, "float32")}
@@ -137,9 +112,18 @@ def test_depthwise_planes(case, fusion):
     if fusion == "relu-in":
         nodes.append(helper.make_node("Relu", ["x"], ["xr"]))
         conv_in = "xr"
+    elif fusion == "pad-in":
+        inits["pads"] = np.array([0, 0, 1, 2, 0, 0, 2, 1], np.int64)
+        nodes.append(helper.make_node("Pad", ["x", "pads"], ["xp"]))
+        conv_in = "xp"
     nodes.append(helper.make_node("Conv", [conv_in, "w", "b"], ["c"], **attrs))
     nodes.append(helper.make_node("Relu" if fusion == "relu-out" else "Identity", ["c"], ["y"]))
-    onnx_model = model(nodes, spec, ["y"], inits)
-    check_model(onnx_model, random_inputs(spec), partitioners=("none", "dnnfusion"))
-    if attrs["strides"] == [1, 1] and attrs["group"] > 1:  # one channel, 1×1: a matrix product
-        assert "depthwise planes" in _forms(onnx_model)
+    return model(nodes, spec, ["y"], inits), random_inputs(spec)
+
+
+def _forms(onnx_model) -> str:
+    """The kernel forms the stages of `onnx_model`'s kernels (partitioner none) were built as."""
+    graph = frontend.build(onnx_model, {}, "test")
+    kernels = generate(plan_for(graph, "none"), host_target())
+    return " ".join(str(info.get("form")) + (f" grid {info['grid']}" if info.get("grid") else "")
+                    for kernel in kernels for info in kernel.schedule.get("stages", []))
