@@ -298,7 +298,8 @@ class _GroupTuner:
         self.first_overrides: dict[str, dict[str, Any]] = {}  # kernel hash -> overrides
         self.measured = self.reused = self.failed = 0
         self.broken: dict[str, str] = {}  # kernel hash -> why its measurement failed
-        self.known = self._stored()
+        self.stored = self._stored_here()
+        self.known = self._known()
 
     # --- kernels and the store ------------------------------------------------------------
     def kernel(self, overrides: dict[str, Any]) -> tuple[str, Kernel] | None:
@@ -313,20 +314,23 @@ class _GroupTuner:
                 self.kernels[key] = None  # a combination the generator refuses
         return self.kernels[key]
 
-    def _stored(self) -> dict[str, float]:
+    def _stored_here(self) -> list[tuple[dict[str, Any], float]]:
+        """(schedule, median) of earlier measurements of this group with this thread count."""
+        return [(schedule, median) for schedule, median in self.measurer.stored(self.op_ids)
+                if isinstance(schedule, dict) and schedule.get("threads") == self.threads]
+
+    def _known(self) -> dict[str, float]:
         """kernel hash -> median of earlier measurements with this thread count."""
         known: dict[str, float] = {}
-        for schedule, median in self.measurer.stored(self.op_ids):
-            h = schedule.get("kernel") if isinstance(schedule, dict) else None
-            if h and schedule.get("threads") == self.threads:
-                known.setdefault(h, median)
+        for schedule, median in self.stored:
+            if schedule.get("kernel"):
+                known.setdefault(schedule["kernel"], median)
         return known
 
     def stored_overrides(self) -> list[dict[str, Any]]:
         """The schedules measured for this group earlier with this thread count."""
         return [{k: v for k, v in schedule.items() if k not in ("kernel", "threads")}
-                for schedule, _ in self.measurer.stored(self.op_ids)
-                if isinstance(schedule, dict) and schedule.get("threads") == self.threads]
+                for schedule, _ in self.stored]
 
     def _record(self, overrides: dict[str, Any], h: str, samples: Sequence[float]) -> None:
         if not self.measurer.records:  # the farm filed them under its device already
