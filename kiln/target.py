@@ -26,6 +26,7 @@ class DeviceLimits:
     # GPU work-item's share of the register file at full occupancy
     fast_memory_bytes: int  # a CPU core's L1 data cache; a GPU work-group's local memory
     shared_cache_bytes: int  # the L2 every row tile of a fused contraction re-reads from
+    max_work_group: int = 1  # work-items one work-group (thread block) may have; 1 on a CPU
 
 
 # AVX2's 16 ymm registers, a 32 KiB L1d and 1 MiB of L2 (the constants Kiln's CPU plans use).
@@ -33,12 +34,15 @@ CPU_LIMITS = DeviceLimits(registers=16, fast_memory_bytes=32 << 10, shared_cache
 # Mobile GPUs (Adreno 6xx/7xx, Mali Valhall): about 32 live 32-bit values per work-item before the
 # compiler halves occupancy or spills, 32 KiB of local memory (OpenCL's minimum for a GPU, and
 # what Mali and Adreno give), 512 KiB of L2 or more.
+# Their work-groups take 256 work-items (Mali's maximum; Adreno's is 1024 for small kernels, less
+# for register-hungry ones).
 MOBILE_GPU_LIMITS = DeviceLimits(registers=32, fast_memory_bytes=32 << 10,
-                                 shared_cache_bytes=512 << 10)
+                                 shared_cache_bytes=512 << 10, max_work_group=256)
 # NVIDIA sm_80 and later: 64K registers per SM shared by up to 2048 threads (32 each at full
-# occupancy), 48 KiB of shared memory per block without opting in, an L2 of 40 MiB (A100) or more.
+# occupancy), 48 KiB of shared memory per block without opting in, an L2 of 40 MiB (A100) or more,
+# 1024 threads per block.
 CUDA_GPU_LIMITS = DeviceLimits(registers=32, fast_memory_bytes=48 << 10,
-                               shared_cache_bytes=40 << 20)
+                               shared_cache_bytes=40 << 20, max_work_group=1024)
 
 
 @dataclass(frozen=True)

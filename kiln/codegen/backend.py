@@ -46,6 +46,8 @@ class Backend:
     # builds the kernel sources into an OpenCL program at run time and launches them.
     driver: str = "c"
     schedule: Schedule = DEFAULT_SCHEDULE  # the schedule parameters' defaults for its devices
+    # GEMMs in work-groups sized from the target's `DeviceLimits` (`Schedule.for_device`)
+    work_groups: bool = False
 
 
 C_OPENMP = Backend(
@@ -74,6 +76,7 @@ OPENCL = Backend(
     runner="runner.c",
     driver="opencl",
     schedule=GPU_SCHEDULE,
+    work_groups=True,
 )
 
 CUDA = Backend(
@@ -89,6 +92,7 @@ CUDA = Backend(
     runner="runner.c",
     driver="cuda",
     schedule=GPU_SCHEDULE,
+    work_groups=True,
 )
 
 BACKENDS: dict[str, Backend] = {backend.name: backend for backend in (C_OPENMP, OPENCL, CUDA)}

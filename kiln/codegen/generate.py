@@ -79,10 +79,18 @@ def generate(plan: FusionPlan, target: Target, schedule: Schedule | None = None,
     schedule = schedule or backend.schedule
     block_schedules = block_schedules or {}
     return [_kernel(plan.graph, block, i, target, backend,
-                    schedule.merged(plan.schedules.get(block.id))
-                    .merged(block_schedules.get(block.id)).for_isa(target.isa),
+                    _for_target(schedule.merged(plan.schedules.get(block.id))
+                                .merged(block_schedules.get(block.id)), target, backend),
                     plan.stages.get(block.id))
             for i, block in enumerate(plan.blocks)]
+
+
+def _for_target(schedule: Schedule, target: Target, backend: Backend) -> Schedule:
+    """The schedule's target-dependent parameters made explicit: work-group tiling from the
+    device's limits (GPU backends), the micro-kernel's shape and vector width from the ISA."""
+    if backend.work_groups:
+        schedule = schedule.for_device(target.limits)
+    return schedule.for_isa(target.isa)
 
 
 def kernel_symbol(block: Block, index: int) -> str:

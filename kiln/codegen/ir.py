@@ -39,6 +39,10 @@ class Loop:
     reductions: tuple[tuple[str, Expr], ...] = ()
     grain: str = "even"  # of a parallel loop: one of GRAINS
     blocks: int = 0  # chunks of the "blocks" grain
+    # of a parallel loop on a GPU: its iterations are work-items in work-groups of this many
+    # consecutive ones, which share the loop body's local arrays and meet at its barriers (0: the
+    # backend groups them as it likes, and the body has neither)
+    work_group: int = 0
 
     @property
     def static_extent(self) -> int | None:
@@ -73,11 +77,19 @@ class Assign:
 
 @dataclass(eq=False)
 class DeclArray:
-    """A local (stack) array `T name[size];`."""
+    """A local (stack) array `T name[size];`; with scope "group", one array per work-group of
+    the enclosing `Loop.work_group` loop, shared by its work-items (a GPU's local/shared memory)."""
 
     name: str
     dtype: str
     size: int
+    scope: str = "private"  # or "group"
+
+
+@dataclass(eq=False)
+class Barrier:
+    """Every work-item of the work-group waits here until all have arrived, and then sees what
+    the others stored to the group's arrays before it (`DeclArray.scope == "group"`)."""
 
 
 @dataclass(eq=False)
@@ -125,7 +137,8 @@ class MicroKernelCall:
     rows_offset: Expr | None = None
 
 
-Stmt = Loop | Let | DeclAcc | Assign | DeclArray | ArrayStore | Store | If | MicroKernelCall
+Stmt = (Loop | Let | DeclAcc | Assign | DeclArray | ArrayStore | Store | If | MicroKernelCall
+        | Barrier)
 
 
 @dataclass(eq=False)

@@ -11,11 +11,14 @@ import numpy as np
 @dataclass(frozen=True)
 class Launch:
     """One device entry point of a kernel a GPU backend renders (`kiln.codegen.render.gpu`): the
-    function `<Kernel.symbol><suffix>`, run on `work_items` work-items (threads) in a 1-D range.
+    function `<Kernel.symbol><suffix>`, run on `work_items` work-items (threads) in a 1-D range,
+    in work-groups (thread blocks) of `work_group` work-items that share local memory and
+    barriers (`work_items` is a multiple of it), or of a size the host driver picks (0).
     The host launches a kernel's entry points in order, each after the previous one finished."""
 
     suffix: str
     work_items: int
+    work_group: int = 0
 
 
 @dataclass(frozen=True)

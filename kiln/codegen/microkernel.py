@@ -40,6 +40,7 @@ class MicroKernel:
     nr: int
     vector_bytes: int
     indirect: bool = False  # B rows at b + rows[k] (an int32 offset table), not b + k·ldb
+    local: bool = False  # A and B in a GPU work-group's local memory (`kiln.codegen.gemm.group`)
 
     @property
     def scalar(self) -> str:
@@ -51,7 +52,7 @@ class MicroKernel:
 
     @property
     def function(self) -> str:
-        kind = "ind_" if self.indirect else ""
+        kind = ("ind_" if self.indirect else "") + ("loc_" if self.local else "")
         return f"kiln_ukr_{kind}{self.dtype}_{self.mr}x{self.nr}_v{self.vector_bytes}"
 
 

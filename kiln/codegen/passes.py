@@ -333,7 +333,7 @@ class _Binder:
             scope.defines.add(stmt.acc)
         elif isinstance(stmt, ir.Assign):
             scope.body.append(ir.Assign(stmt.acc, ref(stmt.value, scope)))
-        elif isinstance(stmt, ir.DeclArray):
+        elif isinstance(stmt, (ir.DeclArray, ir.Barrier)):
             scope.body.append(stmt)
         elif isinstance(stmt, ir.ArrayStore):
             index = ref(stmt.index, scope)

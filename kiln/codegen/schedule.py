@@ -10,6 +10,10 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from kiln.codegen.microkernel import tile_for
+from kiln.target import DeviceLimits
+
+# A GPU work-item's register tiles (rows × columns), largest first; columns in whole 4-lane vectors.
+GPU_REGISTER_TILES = ((8, 8), (4, 8), (4, 4), (2, 4), (1, 4))
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,12 @@ class Schedule:
     # stitched kernel agree on how work is split: a thread reads back from scratch the rows it
     # wrote itself, from its own L1/L2, as a GPU thread block reads its shared memory.
     stitch_blocks: int = 0
+    # Work-group tiling of GEMMs on GPUs (`kiln.codegen.gemm.group`): 0 leaves it off (CPUs); n > 0:
+    # every packed GEMM runs in work-groups of at most n work-items, which stage slices of A and
+    # B in at most `gemm_local_bytes` of local memory, each work-item a register tile of them.
+    # A GPU backend fills both (and the register tile) from its target's `DeviceLimits`.
+    gemm_work_group: int = 0
+    gemm_local_bytes: int = 0
 
     def merged(self, overrides: Mapping[str, Any] | None) -> Schedule:
         if not overrides:
@@ -75,6 +85,18 @@ class Schedule:
         if unknown:
             raise ValueError(f"unknown schedule parameter(s): {', '.join(unknown)}")
         return replace(self, **overrides)
+
+    def for_device(self, limits: DeviceLimits) -> Schedule:
+        """Work-group tiling sized for a GPU's limits (fields already set are kept): at most its
+        largest work-group, its local memory, and a register tile (`gemm_mr` × `gemm_nr`) whose
+        accumulators, one row of B and one column of A fit its registers per work-item."""
+        mr, nr = self.gemm_mr, self.gemm_nr
+        if not (mr and nr):
+            mr, nr = next(((m, n) for m, n in GPU_REGISTER_TILES
+                           if m * n + m + n <= limits.registers), GPU_REGISTER_TILES[-1])
+        return replace(self, gemm_work_group=self.gemm_work_group or limits.max_work_group,
+                       gemm_local_bytes=self.gemm_local_bytes or limits.fast_memory_bytes,
+                       gemm_mr=mr, gemm_nr=nr)
 
     def for_isa(self, isa: tuple[str, ...]) -> Schedule:
         """The micro-kernel shape and vector width made explicit for a target's ISA features."""

@@ -136,6 +136,7 @@ typedef struct { size_t output; kiln_ref source; size_t nbytes; } kiln_copy;
 typedef struct {
     const char *function;
     size_t work_items;
+    size_t work_group;  /* threads per block; 0: up to KILN_CUDA_BLOCK */
     size_t step;   /* the kernel (kiln_model_kernels) it belongs to */
     size_t first;  /* its arguments: kiln_arg_refs[first .. first + count) */
     size_t count;
@@ -371,7 +372,8 @@ int kiln_model_run(kiln_model *m, void *const *inputs, void *const *outputs) {
         const kiln_launch *l = &kiln_launches[i];
         int first = i == 0 || kiln_launches[i - 1].step != l->step;
         int last = i + 1 == KILN_NUM_LAUNCHES || kiln_launches[i + 1].step != l->step;
-        unsigned block = l->work_items < KILN_CUDA_BLOCK ? (unsigned)l->work_items : KILN_CUDA_BLOCK;
+        unsigned block = l->work_group ? (unsigned)l->work_group
+                         : l->work_items < KILN_CUDA_BLOCK ? (unsigned)l->work_items : KILN_CUDA_BLOCK;
         if (m->profile && first) start = kiln_now_ns();
         if (l->work_items)
             status = m->cu.LaunchKernel(m->functions[i],

@@ -88,22 +88,23 @@ def _c_literal(text: str) -> str:
 
 
 def _launches(kernels: Sequence[Kernel], memory: MemoryPlan, units: dict[str, KernelUnit]) -> str:
-    """One row per entry point (function, work-items, its kernel's step, first argument, count)
-    in launch order, and the argument references."""
+    """One row per entry point (function, work-items, work-group size, its kernel's step, first
+    argument, argument count) in launch order, and the argument references."""
     rows, refs = [], []
     for step, (k, binding) in enumerate(zip(kernels, memory.bindings)):
         scratch = (Ref("scratch", 0),) if k.scratch_bytes > 0 else ()
         arguments = (*binding, *scratch)
         for launch in k.launches:
             function = units[k.symbol].function + launch.suffix
-            rows.append(f"    {{{_c_string(function)}, {launch.work_items}u, {step}, {len(refs)}, "
-                        f"{len(arguments)}}},  /* {k.symbol} */")
+            rows.append(f"    {{{_c_string(function)}, {launch.work_items}u, "
+                        f"{launch.work_group}u, {step}, {len(refs)}, {len(arguments)}}},"
+                        f"  /* {k.symbol} */")
         refs.extend(_ref(r) for r in arguments)
     return "\n".join([
         f"#define KILN_NUM_LAUNCHES {len(rows)}",
         "static const kiln_launch kiln_launches[] = {",
         *rows,
-        "    {0, 0, 0, 0, 0},",
+        "    {0, 0, 0, 0, 0, 0},",
         "};",
         "static const kiln_ref kiln_arg_refs[] = {",
         *(f"    {r}," for r in refs),
@@ -183,6 +184,7 @@ typedef struct { size_t output; kiln_ref source; size_t nbytes; } kiln_copy;
 typedef struct {
     const char *function;
     size_t work_items;
+    size_t work_group;  /* work-items per work-group (the local size); 0: the driver picks */
     size_t step;   /* the kernel (kiln_model_kernels) it belongs to */
     size_t first;  /* its arguments: kiln_arg_refs[first .. first + count) */
     size_t count;
@@ -448,7 +450,8 @@ int kiln_model_run(kiln_model *m, void *const *inputs, void *const *outputs) {
         if (m->profile && first) start = kiln_now_ns();
         if (l->work_items)
             status = m->cl.EnqueueNDRangeKernel(m->queue, m->kernels[i], 1, NULL, &l->work_items,
-                                                NULL, 0, NULL, NULL);
+                                                l->work_group ? &l->work_group : NULL,
+                                                0, NULL, NULL);
         if (m->profile && last && status == CL_SUCCESS) {
             status = m->cl.Finish(m->queue);
             m->profile[l->step] += kiln_now_ns() - start;

@@ -8,20 +8,17 @@ import math
 from kiln.codegen import ir
 from kiln.codegen.contexts import StageCtx
 from kiln.codegen.expr import (
-    Expr,
     add,
-    array_load,
     const,
     floordiv,
     iconst,
     imin,
     index_compare,
-    load,
     mul,
     sub,
 )
 from kiln.codegen.indexing import Index
-from kiln.codegen.gemm.blocking import Blocking, blocking
+from kiln.codegen.gemm.blocking import blocking
 from kiln.codegen.microkernel import MicroKernel, tile_for
 from kiln.codegen.gemm.packing import (
     OperandSide,
@@ -30,7 +27,8 @@ from kiln.codegen.gemm.packing import (
     constant_panels,
     scratch_panels,
 )
-from kiln.codegen.gemm.spec import Contraction, batch_of, results, stride_of
+from kiln.codegen.gemm.group import group_gemm
+from kiln.codegen.gemm.spec import Contraction, batch_of, tile_epilogue
 
 
 def micro_kernel(ctx: StageCtx, dtype: str) -> MicroKernel:
@@ -48,6 +46,9 @@ def packed_gemm(ctx: StageCtx, spec: Contraction, packed_a: Packed | None = None
     """`spec` as a packed GEMM; `packed_a`: A already in panels of the micro-kernel's rows."""
     s = ctx.schedule
     uk = micro_kernel(ctx, spec.dtype)
+    if s.gemm_work_group > 0:  # a GPU's: work-groups staging tiles in local memory
+        group_gemm(ctx, spec, uk, packed_a)
+        return
     a = OperandSide("a", spec.a, spec.a_batch, spec.m)
     b_side = OperandSide("b", lambda bi, j, k: spec.b(bi, k, j), spec.b_batch, spec.n)
     packed_a = (packed_a or constant_panels(ctx, spec, a, uk.mr)
@@ -78,8 +79,8 @@ def packed_gemm(ctx: StageCtx, spec: Contraction, packed_a: Packed | None = None
         tile, add(mul(ip, uk.mr * blk.nc), mul(jp, uk.nr)), blk.nc,
         index_compare("gt", kb, 0) if k_blocks > 1 else const(False, "bool"))
     # each micro-tile's results go through the epilogue right after its last update, from L1
-    epilogue = _packed_epilogue(ctx, spec, blk, tile, b, (i0, add(i0, mul(ip, uk.mr)), uk.mr),
-                                (j0, add(j0, mul(jp, uk.nr)), uk.nr))
+    epilogue = tile_epilogue(ctx, spec, blk.nc, tile, b, (i0, add(i0, mul(ip, uk.mr)), uk.mr),
+                             (j0, add(j0, mul(jp, uk.nr)), uk.nr))
     if k_blocks > 1:
         epilogue = ir.If(index_compare("eq", kb, k_blocks - 1), [epilogue])
     compute = ir.Loop(jp, iconst(0), col_panels,
@@ -92,21 +93,3 @@ def packed_gemm(ctx: StageCtx, spec: Contraction, packed_a: Packed | None = None
               bt * spec.m * spec.n * spec.k)
     ctx.info.update(form="packed", micro_kernel=f"{uk.mr}x{uk.nr}", vector_bytes=uk.vector_bytes,
                     mc=blk.mc, nc=blk.nc, kc=blk.kc, tasks=tasks)
-
-
-def _packed_epilogue(ctx: StageCtx, spec: Contraction, blk: Blocking, tile: str, b: Expr,
-                     rows: tuple[Expr, Expr, int], cols: tuple[Expr, Expr, int]) -> ir.Loop:
-    """Results of the tile (rows, cols) = (block start, tile start, tile size) through the fused
-    epilogue, the inner loop along the output's contiguous axis."""
-    (i0, i_lo, mr), (j0, j_lo, nr) = rows, cols
-    i, j = ctx.var("i", spec.m), ctx.var("j", spec.n)
-    total = array_load(tile, spec.dtype, add(mul(sub(i, i0), blk.nc), sub(j, j0)))
-    stmts = results(ctx, spec, total, b, i, j)
-    i_end = imin(add(i_lo, mr), iconst(spec.m))
-    j_end = imin(add(j_lo, nr), iconst(spec.n))
-    offset = spec.out(b, i, j).flat
-    rows_inner = (spec.store is None and spec.m > 1
-                  and stride_of(load("probe", spec.dtype, offset), i) == 1)
-    if rows_inner:
-        return ir.Loop(j, j_lo, j_end, [ir.Loop(i, i_lo, i_end, stmts, simd=True)])
-    return ir.Loop(i, i_lo, i_end, [ir.Loop(j, j_lo, j_end, stmts, simd=True)])

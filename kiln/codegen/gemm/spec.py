@@ -14,7 +14,12 @@ from kiln.codegen.expr import (
     Expr,
     NotEvaluable,
     add,
+    array_load,
     evaluate_index,
+    iconst,
+    imin,
+    load,
+    mul,
     sub,
     substitute,
 )
@@ -80,3 +85,22 @@ def constant_values(ctx: StageCtx, probe: Expr, probes: tuple[Expr, ...],
     except NotEvaluable:
         return None
     return source.data.reshape(-1)[np.broadcast_to(offsets, grid[0].shape)]
+
+
+def tile_epilogue(ctx: StageCtx, spec: Contraction, ldc: int, tile: str, b: Expr,
+                  rows: tuple[Expr, Expr, int], cols: tuple[Expr, Expr, int]) -> ir.Loop:
+    """Results of the tile (rows, cols) = (block start, tile start, tile size) through the fused
+    epilogue, the inner loop along the output's contiguous axis; the local array `tile` holds the
+    block from its start, rows `ldc` apart."""
+    (i0, i_lo, mr), (j0, j_lo, nr) = rows, cols
+    i, j = ctx.var("i", spec.m), ctx.var("j", spec.n)
+    total = array_load(tile, spec.dtype, add(mul(sub(i, i0), ldc), sub(j, j0)))
+    stmts = results(ctx, spec, total, b, i, j)
+    i_end = imin(add(i_lo, mr), iconst(spec.m))
+    j_end = imin(add(j_lo, nr), iconst(spec.n))
+    offset = spec.out(b, i, j).flat
+    rows_inner = (spec.store is None and spec.m > 1
+                  and stride_of(load("probe", spec.dtype, offset), i) == 1)
+    if rows_inner:
+        return ir.Loop(j, j_lo, j_end, [ir.Loop(i, i_lo, i_end, stmts, simd=True)])
+    return ir.Loop(i, i_lo, i_end, [ir.Loop(j, j_lo, j_end, stmts, simd=True)])

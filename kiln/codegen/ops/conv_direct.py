@@ -89,9 +89,11 @@ def _phase_grid(w: Window, channels: int, nr: int) -> tuple[PhaseGrid, np.ndarra
 
 def direct_applies(ctx: StageCtx, w: Window, acc_dtype: str) -> bool:
     """A 2-D float convolution on a target with GEMM micro-kernels, small enough for int32
-    row offsets."""
+    row offsets. Not on a GPU (work-group tiled GEMMs): there the implicit GEMM's copy into local
+    memory reads the input through the im2col index map, which needs no padded copy."""
     s = ctx.schedule
     return (len(w.kernel) == 2 and acc_dtype in ("float32", "float64") and s.vector_bytes > 0
+            and s.gemm_work_group == 0
             and ctx.graph.tensors[ctx.op.inputs[0]].numel < 2 ** 30)
 
 

@@ -115,6 +115,10 @@ class CStyleRenderer:
     def local_array(self, stmt: ir.DeclArray) -> str:
         return f"{self.types[stmt.dtype]} {stmt.name}[{stmt.size}];"
 
+    def barrier(self) -> str:
+        """A work-group barrier (`ir.Barrier`): only GPU languages have work-groups."""
+        raise NotImplementedError(f"{type(self).__name__} renders no work-groups")
+
     # --- kernel -----------------------------------------------------------------------------
     def kernel(self, kernel: ir.KernelIR, comment: str) -> str:
         body: list[str] = [self.buffer(buf, i, kernel) for i, buf in enumerate(kernel.buffers)]
@@ -158,6 +162,8 @@ class CStyleRenderer:
             if stmt.orelse:
                 lines += ["} else {", *_indent(self.statements(stmt.orelse))]
             return lines + ["}"]
+        if isinstance(stmt, ir.Barrier):
+            return [self.barrier()]
         if isinstance(stmt, ir.MicroKernelCall):
             k = stmt.kernel
             self.micro_kernels.setdefault(k.function, self.micro_kernel(k))

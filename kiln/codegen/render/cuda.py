@@ -85,6 +85,8 @@ class CudaRenderer(GpuRenderer):
     types = C_TYPES
     kernel_qualifier = 'extern "C" __global__ void'
     global_space = ""  # one address space for pointers: generic
+    local_space = "__shared__"
+    local_pointer_space = ""
     prelude = PRELUDE
 
     def __init__(self) -> None:
@@ -96,15 +98,15 @@ class CudaRenderer(GpuRenderer):
         return f"({thread} / {WARP})" if self.warp else thread
 
     # --- a warp per row -----------------------------------------------------------------------
-    def parallel(self, named: list[ir.Stmt], nest: list[ir.Loop]) -> tuple[list[str], int]:
-        if not _warp_rows(nest[-1].body):
+    def parallel(self, named: list[ir.Stmt], nest: list[ir.Loop]) -> tuple[list[str], int, int]:
+        if nest[0].work_group or not _warp_rows(nest[-1].body):
             return super().parallel(named, nest)
         self.warp = True
         try:
-            lines, work_items = super().parallel(named, nest)
+            lines, work_items, _ = super().parallel(named, nest)
         finally:
             self.warp = False
-        return [f"const int {LANE} = (int)(threadIdx.x % {WARP});", *lines], work_items * WARP
+        return [f"const int {LANE} = (int)(threadIdx.x % {WARP});", *lines], work_items * WARP, 0
 
     def statements(self, body: list[ir.Stmt]) -> list[str]:
         if not self.warp:
@@ -145,6 +147,9 @@ class CudaRenderer(GpuRenderer):
 
     def function_qualifier(self) -> str:
         return "static __device__ inline"
+
+    def barrier(self) -> str:
+        return "__syncthreads();"
 
     def vector_type(self, scalar: str, lanes: int) -> str:
         return f"kiln_vec<{scalar}, {lanes}>"

@@ -25,6 +25,7 @@ the work-item id, the vector types and their loads and stores, and math function
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from kiln.codegen import ir
 from kiln.codegen.expr import Expr
@@ -44,6 +45,17 @@ GPU_SCHEDULE = Schedule(parallel_min_work=1, parallel_min_iterations=1 << 30, ge
 WORK_ITEM = "kiln_wi"  # the name of the work-item id in an entry point
 
 
+@dataclass(frozen=True)
+class EntryPoint:
+    """A stage's entry point as rendered: its body's lines, its launch's work-items and
+    work-group size (0: any), and the declarations of its work-group arrays (at its top)."""
+
+    lines: list[str]
+    work_items: int
+    work_group: int
+    group_arrays: list[str]
+
+
 class GpuRenderer(CStyleRenderer):
     """Renders a kernel as device entry points (see the module docstring); `launches` lists them
     after `kernel`."""
@@ -53,9 +65,13 @@ class GpuRenderer(CStyleRenderer):
     prelude: tuple[str, ...] = ()  # lines before every kernel's definitions, behind one guard
     math_names: dict[str, str] = {}  # C math function (double name) -> this language's, overloaded
 
+    local_space = "__local"  # qualifier of a work-group's arrays (`ir.DeclArray` scope "group")
+    local_pointer_space = "__local"  # address-space qualifier of a pointer into them
+
     def __init__(self) -> None:
         super().__init__()
         self.launches: tuple[Launch, ...] = ()
+        self.group_arrays: list[str] = []  # of the entry point being rendered
 
     # --- hooks a GPU renderer overrides ------------------------------------------------------
     def work_item_id(self) -> str:
@@ -105,18 +121,26 @@ class GpuRenderer(CStyleRenderer):
     def local_array(self, stmt: ir.DeclArray) -> str:
         return f"{self.types[stmt.dtype]} {stmt.name}[{stmt.size}];"
 
+    def statement(self, stmt: ir.Stmt) -> list[str]:
+        if isinstance(stmt, ir.DeclArray) and stmt.scope == "group":
+            # at the entry point's top: OpenCL allows local variables only at kernel scope
+            self.group_arrays.append(f"{self.local_space} {self.local_array(stmt)}")
+            return []
+        return super().statement(stmt)
+
     # --- kernel -------------------------------------------------------------------------------
     def kernel(self, kernel: ir.KernelIR, comment: str) -> str:
         launches: list[Launch] = []
         entries: list[str] = []
         declarations = [self.buffer(buf, i, kernel) for i, buf in enumerate(kernel.buffers)]
         for stage in kernel.stages:
-            for body, work_items in self.entry_points(stage.body):
+            for point in self.entry_points(stage.body):
                 suffix = f"_g{len(launches)}"
-                launches.append(Launch(suffix, work_items))
+                launches.append(Launch(suffix, point.work_items, point.work_group))
                 entries += [f"/* {stage.comment} */",
                             self.signature(kernel.symbol + suffix, kernel) + " {",
-                            *_indent(declarations), *_indent(body), "}"]
+                            *_indent(point.group_arrays + declarations), *_indent(point.lines),
+                            "}"]
         self.launches = tuple(launches)
         head = [f"/* {comment} */", *_guarded("KILN_GPU_PRELUDE", "\n".join(self.prelude))]
         for name in sorted(self.helpers):
@@ -125,11 +149,11 @@ class GpuRenderer(CStyleRenderer):
             head += _guarded(f"KILN_HELPER_{name.upper()}", text)
         return "\n".join(head + entries + [""])
 
-    def entry_points(self, body: list[ir.Stmt]) -> list[tuple[list[str], int]]:
-        """The entry points of one stage: (body lines, work-items) each, in launch order."""
+    def entry_points(self, body: list[ir.Stmt]) -> list[EntryPoint]:
+        """The entry points of one stage, in launch order."""
         if any(isinstance(s, (ir.DeclAcc, ir.DeclArray)) for s in body):
-            return [self.sequential(body)]
-        points: list[tuple[list[str], int]] = []
+            return [self.entry(self.sequential, body)]
+        points: list[EntryPoint] = []
         named: list[ir.Stmt] = []  # the top-level Lets so far
         pending: list[ir.Stmt] = []  # statements that run in order, not yet emitted
         for stmt in body:
@@ -141,22 +165,34 @@ class GpuRenderer(CStyleRenderer):
                 pending.append(stmt)
                 continue
             if pending:
-                points.append(self.sequential(named + pending))
+                points.append(self.entry(self.sequential, named + pending))
                 named, pending = named + [s for s in pending if isinstance(s, ir.Let)], []
-            points.append(self.parallel(named, nest))
+            points.append(self.entry(self.parallel, named, nest))
         if pending:
-            points.append(self.sequential(named + pending))
+            points.append(self.entry(self.sequential, named + pending))
         return points
 
-    def sequential(self, body: list[ir.Stmt]) -> tuple[list[str], int]:
-        return [f"if ({self.work_item_id()} == 0) {{", *_indent(self.statements(body)), "}"], 1
+    def entry(self, render: Callable[..., tuple[list[str], int, int]], *args) -> EntryPoint:
+        """One entry point `render(*args)` renders, with the work-group arrays it declared."""
+        self.group_arrays = []
+        lines, work_items, work_group = render(*args)
+        return EntryPoint(lines, work_items, work_group, self.group_arrays)
 
-    def parallel(self, named: list[ir.Stmt], nest: list[ir.Loop]) -> tuple[list[str], int]:
-        """The collapsed loops `nest` as a range of work-items, one per iteration."""
+    def sequential(self, body: list[ir.Stmt]) -> tuple[list[str], int, int]:
+        return ([f"if ({self.work_item_id()} == 0) {{", *_indent(self.statements(body)), "}"],
+                1, 0)
+
+    def parallel(self, named: list[ir.Stmt], nest: list[ir.Loop]) -> tuple[list[str], int, int]:
+        """The collapsed loops `nest` as a range of work-items, one per iteration, in the
+        outer loop's work-groups if it has them (its extent is a multiple of their size)."""
         extents = [loop.static_extent for loop in nest]
         total = 1
         for extent in extents:
             total *= extent
+        work_group = nest[0].work_group
+        if work_group and (len(nest) > 1 or total % work_group):
+            raise ValueError(f"a loop of {total} iterations cannot run in work-groups of "
+                             f"{work_group}")
         lines = [f"const {self.index_type} {WORK_ITEM} = {self.work_item_id()};",
                  f"if ({WORK_ITEM} < {total}) {{"]
         inner = []
@@ -169,16 +205,17 @@ class GpuRenderer(CStyleRenderer):
             inner.append(f"const {self.index_type} {loop.var.name} = {loop.start.value} + "
                          f"{value};")
         inner += self.statements(named) + self.statements(nest[-1].body)
-        return lines + _indent(inner) + ["}"], total
+        return lines + _indent(inner) + ["}"], total, work_group
 
     # --- micro-kernels ------------------------------------------------------------------------
     def micro_kernel(self, k: MicroKernel) -> str:
         """The register-tiled GEMM micro-kernel: `mr` × `nr / lanes` vector accumulators."""
         s, g, lanes = k.scalar, self.global_space, k.lanes
+        operands = self.local_pointer_space if k.local else g  # where A and B are
         # an indirect kernel reads B rows at b + rows[k]: an int32 offset table in global memory
         rows = f"{g} const int *rows" if k.indirect else f"{self.index_type} ldb"
         head = (f"{self.function_qualifier()} void {k.function}({self.index_type} kc, "
-                f"{g} const {s} *a, {g} const {s} *b, {rows}, {s} *c, "
+                f"{operands} const {s} *a, {operands} const {s} *b, {rows}, {s} *c, "
                 f"{self.index_type} ldc, int accumulate) {{")
         body = register_tile_body(
             k, self.vector_type(s, lanes), self.index_type,

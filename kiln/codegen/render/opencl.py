@@ -35,6 +35,9 @@ class OpenCLRenderer(GpuRenderer):
     def work_item_id(self) -> str:
         return "(int64_t)get_global_id(0)"
 
+    def barrier(self) -> str:
+        return "barrier(CLK_LOCAL_MEM_FENCE);"
+
     def params(self, position: int) -> list[str]:
         return [f"__global uchar *a{position}", f"ulong o{position}"]
 
