@@ -3,7 +3,8 @@
  * given (it notes whether it was the cubin or the PTX in $KILN_FAKE_CUDA_LOG) and loads the
  * kernels compiled for this machine from $KILN_FAKE_CUDA_MODULE (see emulator.h; each entry point
  * NAME has a wrapper kiln_emu_NAME(void **params)); cuLaunchKernel runs every thread of the grid,
- * a warp's lanes as fibers. The GPU's compute capability is $KILN_FAKE_CUDA_CAPABILITY (8.0). */
+ * a block's threads as fibers (so barriers and warp shuffles meet). The GPU's compute capability is
+ * $KILN_FAKE_CUDA_CAPABILITY (8.0). */
 #include <dlfcn.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -27,11 +28,11 @@ struct Function {
   wrapper_fn run;
 };
 
-const int kLanes = 32;
+const int kThreads = 1024;  // the most a block has
 const size_t kStack = 256 * 1024;
-ucontext_t scheduler, lanes[kLanes];
-char *stacks[kLanes];
-int finished[kLanes];
+ucontext_t scheduler, lanes[kThreads];
+char *stacks[kThreads];
+int finished[kThreads];
 int current;
 Function *running;
 void **running_params;
@@ -44,7 +45,7 @@ void lane_main() {
   finished[current] = 1;
 }
 
-void run_warp(Function *f, void **params, unsigned block, unsigned first, int count) {
+void run_block(Function *f, void **params, unsigned block, int count) {
   running = f;
   running_params = params;
   for (int lane = 0; lane < count; lane++) {
@@ -62,7 +63,7 @@ void run_warp(Function *f, void **params, unsigned block, unsigned first, int co
       if (finished[lane]) continue;
       current = lane;
       f->module->block_idx->x = block;
-      f->module->thread_idx->x = first + (unsigned)lane;
+      f->module->thread_idx->x = (unsigned)lane;
       swapcontext(&scheduler, &lanes[lane]);
       if (!finished[lane]) left++;
     }
@@ -145,11 +146,9 @@ CUresult cuMemcpyDtoH_v2(void *to, CUdeviceptr from, size_t n) {
 }
 CUresult cuLaunchKernel(Function *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
                         unsigned by, unsigned bz, unsigned, void *, void **params, void **) {
-  if (gy != 1 || gz != 1 || by != 1 || bz != 1) return kFailed;
+  if (gy != 1 || gz != 1 || by != 1 || bz != 1 || bx > (unsigned)kThreads) return kFailed;
   f->module->block_dim->x = bx;
-  for (unsigned block = 0; block < gx; block++)
-    for (unsigned first = 0; first < bx; first += kLanes)
-      run_warp(f, params, block, first, (int)(bx - first < (unsigned)kLanes ? bx - first : kLanes));
+  for (unsigned block = 0; block < gx; block++) run_block(f, params, block, (int)bx);
   return 0;
 }
 }
