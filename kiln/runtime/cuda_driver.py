@@ -373,7 +373,8 @@ int kiln_model_run(kiln_model *m, void *const *inputs, void *const *outputs) {
         int first = i == 0 || kiln_launches[i - 1].step != l->step;
         int last = i + 1 == KILN_NUM_LAUNCHES || kiln_launches[i + 1].step != l->step;
         unsigned block = l->work_group ? (unsigned)l->work_group
-                         : l->work_items < KILN_CUDA_BLOCK ? (unsigned)l->work_items : KILN_CUDA_BLOCK;
+                         : l->work_items < KILN_CUDA_BLOCK ? (unsigned)l->work_items
+                         : KILN_CUDA_BLOCK;
         if (m->profile && first) start = kiln_now_ns();
         if (l->work_items)
             status = m->cu.LaunchKernel(m->functions[i],

@@ -18,6 +18,7 @@ from kiln.errors import KilnError
 from kiln.runtime.artifact import Artifact, open_artifact
 from kiln.runtime.loader import load
 from tests.runtime.test_cuda import ZOO, nvcc_missing
+from tests.runtime.test_gpu_gemm import matmul_model
 
 EMULATOR = Path(__file__).resolve().parent / "cuda_emulator"
 EMULATED = ("tinybert", "swin-t")  # rows a warp runs; a row loop split in pieces
@@ -99,3 +100,19 @@ def test_each_gpu_gets_the_image_it_runs(tinybert_sm86, emulate, capsys):
                                             rf"CUDA emulator has {older}, which runs neither"):
             load(tinybert_sm86)
     assert log.read_text().splitlines() == ["cubin", "ptx"]  # nothing loaded for those
+
+
+@pytest.mark.parametrize("m, n, k, form", [(1, 7, 5, "matmul"), (70, 45, 100, "gemm"),
+                                           (33, 130, 40, "activations")])
+def test_the_work_group_tiled_gemm_runs_through_the_cuda_driver(m, n, k, form, emulate, tmp_path,
+                                                                 capsys):
+    """Blocks of threads that share __shared__ tiles and meet at __syncthreads, ragged edges."""
+    model = matmul_model(tmp_path / "m.onnx", m, n, k, form)
+    out = tmp_path / "m.kiln"
+    assert main(["compile", str(model), "--target", "cuda", "-o", str(out)]) == 0
+    emulate(out)
+    source = "\n".join(p.read_text() for p in (open_artifact(out, tmp_path / "x").root / "src")
+                       .glob("*.cu"))
+    assert "__syncthreads();" in source and "__shared__ float" in source
+    capsys.readouterr()
+    assert main(["verify", str(out), str(model)]) == 0, capsys.readouterr().out

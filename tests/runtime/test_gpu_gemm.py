@@ -46,7 +46,8 @@ def _save(nodes, inputs, output_shape, initializers, path: Path) -> Path:
 
 def matmul_model(path: Path, m: int, n: int, k: int, form: str) -> Path:
     """x (m × k) times a weight, through a fused epilogue: MatMul + bias + Relu, Gemm (transB,
-    alpha, beta, C) + a residual input, or x · another input (both operands computed at run time)."""
+    alpha, beta, C) + a residual input, or x · sigmoid(another input) (both operands computed at
+    run time, B through a fused prologue)."""
     if form == "matmul":
         nodes = [helper.make_node("MatMul", ["x", "w"], ["p"]),
                  helper.make_node("Add", ["p", "bias"], ["q"]),

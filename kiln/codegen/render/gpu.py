@@ -14,13 +14,17 @@ The named values (`Let`s) at a stage's top level are repeated in every entry poi
 them; they only read what earlier entry points wrote (`passes.bind_values` never shares a value
 across a write to what it read).
 
-Local arrays live in each work-item's private memory (registers where small). GEMM micro-kernel
-calls become a register-tiled function: an `mr` × `nr` tile of accumulators in vector registers,
-one work-item per tile (the schedule below makes each packed-GEMM task one micro-tile).
+Local arrays live in each work-item's private memory (registers where small), except a
+work-group's (`ir.DeclArray` scope "group": local/shared memory), declared at the entry point's top.
+A parallel loop with `ir.Loop.work_group` runs in work-groups of that size (`Launch.work_group`),
+whose work-items meet at `ir.Barrier`s: the GEMMs' form (`kiln.codegen.gemm.group`). GEMM
+micro-kernel calls become a register-tiled function: an `mr` × `nr` tile of accumulators in
+vector registers, reading A and B from global or (`MicroKernel.local`) local memory.
 
 What differs between GPU languages is in hooks: the entry point's qualifier, the address-space
-qualifier of global pointers, how a buffer argument is passed and reached (`params`, `buffer`),
-the work-item id, the vector types and their loads and stores, and math function names.
+qualifiers of global and local pointers and of a work-group's arrays, the barrier, how a buffer
+argument is passed and reached (`params`, `buffer`), the work-item id, the vector types and their
+loads and stores, and math function names.
 """
 from __future__ import annotations
 
@@ -35,12 +39,15 @@ from kiln.codegen.render.cstyle import HELPERS, CStyleRenderer, _guarded, _inden
 from kiln.codegen.schedule import Schedule
 
 # Schedule for GPUs: every loop that may run in parallel does, collapsed as deep as it goes (many
-# small work-items); GEMM tasks of one micro-tile each (register tiling); small private tiles.
+# small work-items); every float contraction, however thin (a matrix-vector product included), a
+# work-group tiled GEMM (`kiln.codegen.gemm.group`; its sizes from the target's limits,
+# `Schedule.for_device`; without work-groups, packed-GEMM tasks of one micro-tile); small private
+# tiles elsewhere.
 # Neither AGO's intensive fusion nor fused attention: their tiles (a CPU cache's) are a work-item's
 # private arrays here, which the micro-kernel (reading global memory) cannot take as operands.
-GPU_SCHEDULE = Schedule(parallel_min_work=1, parallel_min_iterations=1 << 30, gemm_mc=1,
-                        gemm_nc=1, matmul_tile_m=4, matmul_tile_n=16, conv_tile_w=32,
-                        intensive_fusion=False, fused_attention=False)
+GPU_SCHEDULE = Schedule(parallel_min_work=1, parallel_min_iterations=1 << 30, gemm_min_m=1,
+                        gemm_min_n=1, gemm_mc=1, gemm_nc=1, matmul_tile_m=4, matmul_tile_n=16,
+                        conv_tile_w=32, intensive_fusion=False, fused_attention=False)
 
 WORK_ITEM = "kiln_wi"  # the name of the work-item id in an entry point
 
