@@ -9,7 +9,9 @@ Every contraction lowers to one loop nest over C[b, i, j] = Σ_k A[b, i, k] · B
   convolution's im2col happens there). Each parallel task owns a cache block of `mc` rows ×
   `nc` columns and runs the register-blocked micro-kernel (`kiln.codegen.microkernel`) over its
   panels for each slice of `kc` along the sum; each finished micro-tile goes through the fused
-  epilogue straight into the outputs while it is in L1.
+  epilogue straight into the outputs while it is in L1. On GPU targets (`Schedule.gemm_work_group`)
+  the same contractions run as the work-group tiled GEMM (`group`): tiles of A and B staged in
+  a work-group's local memory, a register tile per work-item, the epilogue from registers.
 * `ikj`: parallel over (batch, block of `matmul_tile_m` rows); for each column tile of
   `matmul_tile_n`, accumulators acc[rows][cols] on the stack; for k: for each row, A[i, k] is
   evaluated once (through the prologue) and the vectorised inner loop does

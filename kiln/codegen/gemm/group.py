@@ -23,6 +23,7 @@ registers per work-item; groups shrink to the product (M = 1 gets one row of wor
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kiln.codegen import ir
@@ -184,7 +185,7 @@ def _copy_b(ctx: StageCtx, spec: Contraction, tiles: GroupTiles, name: str,
 
 
 def _copy(ctx: StageCtx, tiles: GroupTiles, name: str, size: int, item: Expr,
-          place) -> list[ir.Stmt]:
+          place: Callable[[Expr], tuple[Expr, Expr]]) -> list[ir.Stmt]:
     """Elements 0 .. size of a local tile, element e by work-item e mod T: `place(e)` gives the
     element's index in the tile and its value."""
     t = tiles.work_items

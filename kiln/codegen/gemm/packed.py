@@ -43,7 +43,8 @@ def packed_applies(ctx: StageCtx, spec: Contraction) -> bool:
 
 
 def packed_gemm(ctx: StageCtx, spec: Contraction, packed_a: Packed | None = None) -> None:
-    """`spec` as a packed GEMM; `packed_a`: A already in panels of the micro-kernel's rows."""
+    """`spec` as a packed GEMM, or on a GPU (work-groups in the schedule) as the work-group tiled
+    one; `packed_a`: A already in constant panels of the micro-kernel's rows."""
     s = ctx.schedule
     uk = micro_kernel(ctx, spec.dtype)
     if s.gemm_work_group > 0:  # a GPU's: work-groups staging tiles in local memory
