@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kiln.codegen import ir
+from kiln.codegen import intensive_rows, ir
 from kiln.codegen.contexts import Provided, StageCtx
 from kiln.codegen.expr import (
     Expr,
@@ -69,6 +69,7 @@ from kiln.ecg import Graph, Op
 from kiln.mapping import MappingType
 
 DEPTHWISE, POINTWISE = "depthwise", "pointwise"
+ROW_PRODUCTS = ("MatMul", "Gemm")
 MAX_TAPS = 49
 FLOAT = "float32"
 
@@ -79,6 +80,7 @@ class Pair:
     down: Op
     between: tuple[Op, ...]  # elementwise ops from the upstream result to the downstream input
     category: str  # DEPTHWISE (Fig. 7a) or POINTWISE (Fig. 7b)
+    rows: bool = False  # two matrix products, tiled by rows (`kiln.codegen.intensive_rows`)
 
 
 # --- which pairs ------------------------------------------------------------------------------------
@@ -120,8 +122,8 @@ def category(op: Op, graph: Graph) -> str | None:
     than one kind of dimension: fusing would recompute)."""
     if _is_depthwise(op, graph):
         return DEPTHWISE
-    if _is_pointwise(op, graph):
-        return POINTWISE
+    if _is_pointwise(op, graph) or intensive_rows.row_product(op, graph, True) is not None:
+        return POINTWISE  # a matrix product is a pointwise convolution (§III-B's last paragraph)
     return None
 
 
@@ -145,34 +147,63 @@ def find_pairs(graph: Graph, ops: list[Op], must_store: set[str],
         kind = category(down, graph)
         if kind is None or down.id in used:
             continue
-        found = _upstream(graph, producer, must_store | outputs, down)
+        rows = down.op_type in ROW_PRODUCTS
+        found = _upstream(graph, producer, must_store | outputs, down, rows)
         if found is None:
             continue
         up, between = found
-        if up.id in used or upstream_form(up, graph) is None:
+        if up.id in used or not _layouts_match(up, down, graph, rows):
             continue
-        pairs[down.id] = Pair(up, down, between, kind)
+        pairs[down.id] = Pair(up, down, between, kind, rows)
         used |= {up.id, down.id}
     return pairs
 
 
-def _upstream(graph: Graph, producer: dict[str, Op], kept: set[str], down: Op) -> tuple[Op, tuple[Op, ...]] | None:
-    """The conv whose result reaches `down`'s input through elementwise ops of the block only
-    (`producer`: the block's tensors), every tensor on the way read by nothing but those ops and
-    `down`, and none of them kept in memory (`kept`)."""
+def _layouts_match(up: Op, down: Op, graph: Graph, rows: bool) -> bool:
+    """Channel-major pairs (conv → conv) tile channels or pixels of an NCHW intermediate;
+    row-major pairs (matrix products) tile its rows. A conv's NCHW result is not the row-major
+    A operand of a product (nor the reverse) without a transposition between, which would make
+    each tile gather a strided block: such pairs stay two stages."""
+    if rows:
+        return intensive_rows.compatible(up, down, graph)
+    return upstream_form(up, graph) is not None
+
+
+def _on_the_path(graph: Graph, op: Op, t: str, target: str, rows: bool) -> bool:
+    """Can `op` (producing `t`) stand between the pair: an inline elementwise op whose element
+    of `t` is the element of the downstream input at the same offset, or, between matrix
+    products (where the offset is all that relates the two), an order-keeping reshape."""
+    if lowering(op.op_type).kind != "inline" or len(op.outputs) != 1:
+        return False
+    here, there = graph.tensors[t], graph.tensors[target]
+    if rows:
+        return (op.mapping in (MappingType.ONE_TO_ONE, MappingType.REORGANIZE)
+                and here.numel == there.numel)
+    return op.mapping == MappingType.ONE_TO_ONE and here.shape == there.shape
+
+
+def _upstream(graph: Graph, producer: dict[str, Op], kept: set[str], down: Op,
+              rows: bool) -> tuple[Op, tuple[Op, ...]] | None:
+    """The complex op whose result reaches `down`'s input through ops of the block that stand
+    between (`_on_the_path`; `producer`: the block's tensors), every tensor on the way read by
+    nothing but those ops and `down`, and none of them kept in memory (`kept`). Other operands
+    of the ops between are constants or tensors read from memory at the same element (a
+    residual that is an input of the block)."""
+    target = down.inputs[0]
     between: dict[str, Op] = {}
-    stack = [down.inputs[0]]
+    stack = [target]
     ups: set[str] = set()
     while stack:
         t = stack.pop()
         op = producer.get(t)
-        if op is None or t in kept:
+        if t in kept or (op is None and t == target):
             return None
-        if op.op_type == "Conv":
+        if op is None:  # a block input, read at the same element
+            continue
+        if op.mapping == MappingType.MANY_TO_MANY and op.compute_intensive:
             ups.add(op.id)
             continue
-        if (op.mapping != MappingType.ONE_TO_ONE or lowering(op.op_type).kind != "inline"
-                or len(op.outputs) != 1 or graph.tensors[t].shape != graph.tensors[down.inputs[0]].shape):
+        if not _on_the_path(graph, op, t, target, rows):
             return None
         if op.id in between:
             continue
@@ -188,7 +219,8 @@ def _upstream(graph: Graph, producer: dict[str, Op], kept: set[str], down: Op) -
         for t in op.outputs:
             if t in kept or any(c.id not in inside for c in graph.consumers(t)):
                 return None
-    if graph.tensors[up.outputs[0]].shape != graph.tensors[down.inputs[0]].shape:
+    mid, wanted = graph.tensors[up.outputs[0]], graph.tensors[target]
+    if (mid.numel != wanted.numel) if rows else (mid.shape != wanted.shape):
         return None
     return up, tuple(sorted(between.values(), key=lambda o: graph.order[o.id]))
 
@@ -524,6 +556,9 @@ def _interior(w: Window, d: int) -> tuple[int, int]:
 
 def lower_pair(down_ctx: StageCtx, up_ctx: StageCtx, pair: Pair) -> None:
     """Emit the fused stage of `pair` (whose tile `fits`)."""
+    if pair.rows:
+        intensive_rows.lower_row_pair(down_ctx, up_ctx, pair)
+        return
     pair_lowering = _PairLowering(down_ctx, up_ctx, pair)
     if pair.category == DEPTHWISE:
         pair_lowering.depthwise_pair()
@@ -541,6 +576,8 @@ def fits(pair: Pair, graph: Graph, tile_bytes: int, mr: int, nr: int) -> bool:
     """Whether the pair's smallest tile fits `tile_bytes` (decided before lowering, so that a
     pair that cannot be fused is lowered as two stages), and a matrix-product upstream op has at
     least one micro-kernel panel of pixels (below that the panel is mostly padding)."""
+    if pair.rows:
+        return intensive_rows.fits(pair, graph, tile_bytes, mr)
     n_img, channels, height, width = graph.tensors[pair.up.outputs[0]].shape
     budget = tile_bytes // 4
     gemm = upstream_form(pair.up, graph) == "gemm"

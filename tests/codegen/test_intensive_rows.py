@@ -1,0 +1,121 @@
+"""AGO's intensive fusion of two matrix products (`kiln.codegen.intensive_rows`): MatMul/Gemm →
+MatMul/Gemm row tile by row tile, against onnxruntime on random shapes (batch dims, ragged rows
+and columns, a single row), epilogues between (bias, GELU, ReLU, a residual, a reshape); conv ↔
+MatMul pairs, whose layouts do not match, stay two stages and stay right."""
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings, strategies as st
+from onnx import helper
+
+from kiln import frontend
+from kiln.codegen import generate
+from kiln.codegen.intensive import POINTWISE, category, find_pairs
+from kiln.codegen.microkernel import tile_for
+from kiln.target import host_target
+from tests.codegen.harness import assert_matches, model, plan_for, reference, run_kernels
+
+BETWEEN = ("none", "bias", "relu", "gelu", "residual", "reshape")
+
+
+def _between(nodes: list, inits: dict, x: str, kind: str, width: int, residual: str | None,
+             shape: tuple[int, ...]) -> str:
+    rng = np.random.default_rng(width)
+    if kind in ("bias", "gelu"):
+        inits["b1"] = rng.standard_normal(width).astype(np.float32)
+        nodes.append(helper.make_node("Add", [x, "b1"], ["a1"]))
+        x = "a1"
+    if kind == "relu":
+        nodes.append(helper.make_node("Relu", [x], ["r1"]))
+        x = "r1"
+    elif kind == "gelu":  # as the exporters write it: x · (erf(x / √2) + 1) · 0.5
+        inits.update(sq=np.float32(np.sqrt(2)), one=np.float32(1), half=np.float32(0.5))
+        nodes += [helper.make_node("Div", [x, "sq"], ["g1"]), helper.make_node("Erf", ["g1"], ["g2"]),
+                  helper.make_node("Add", ["g2", "one"], ["g3"]), helper.make_node("Mul", [x, "g3"], ["g4"]),
+                  helper.make_node("Mul", ["g4", "half"], ["g5"])]
+        x = "g5"
+    elif kind == "residual" and residual is not None:
+        nodes.append(helper.make_node("Add", [x, residual], ["s1"]))
+        x = "s1"
+    elif kind == "reshape":  # GPT-2's Gemm → Reshape → activation → Reshape → Gemm
+        inits["shape1"] = np.array([1, *shape], np.int64)
+        inits["shape2"] = np.array(shape, np.int64)
+        nodes += [helper.make_node("Reshape", [x, "shape1"], ["h1"]),
+                  helper.make_node("Tanh", ["h1"], ["h2"]),
+                  helper.make_node("Reshape", ["h2", "shape2"], ["h3"])]
+        x = "h3"
+    return x
+
+
+def _product(nodes: list, inits: dict, x: str, name: str, k: int, n: int, gemm: dict | None,
+             rng) -> str:
+    if gemm is None:
+        inits[f"w{name}"] = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32)
+        nodes.append(helper.make_node("MatMul", [x, f"w{name}"], [name]))
+        return name
+    weight = rng.standard_normal((n, k) if gemm["transB"] else (k, n)) / np.sqrt(k)
+    inits[f"w{name}"] = weight.astype(np.float32)
+    inputs = [x, f"w{name}"]
+    if gemm["bias"]:
+        inits[f"c{name}"] = rng.standard_normal(n).astype(np.float32)
+        inputs.append(f"c{name}")
+    nodes.append(helper.make_node("Gemm", inputs, [name], transB=gemm["transB"],
+                                  alpha=gemm["alpha"], beta=gemm["beta"]))
+    return name
+
+
+@st.composite
+def row_pairs(draw):
+    """MatMul (any batch dims, M = 1 included) or Gemm → ops between → MatMul or Gemm, then an
+    epilogue on the downstream result."""
+    rng = np.random.default_rng(draw(st.integers(0, 1000)))
+    gemms = draw(st.booleans())
+    batch = () if gemms else tuple(draw(st.lists(st.integers(1, 3), max_size=2)))
+    m = draw(st.sampled_from([1, 2, 5, 6, 7, 13, 24, 31]))
+    k1, n1, n2 = draw(st.integers(1, 40)), draw(st.integers(1, 70)), draw(st.integers(1, 40))
+    kind = draw(st.sampled_from(BETWEEN))
+    if kind == "residual":
+        k1 = n1  # the residual is the first product's input
+    if kind == "reshape" and not gemms:
+        kind = "gelu"
+
+    def gemm_attrs():
+        return dict(transB=draw(st.integers(0, 1)), bias=draw(st.booleans()),
+                    alpha=draw(st.sampled_from([1.0, 0.5])), beta=draw(st.sampled_from([1.0, 2.0])))
+
+    nodes, inits = [], {}
+    first = _product(nodes, inits, "x", "p1", k1, n1, gemm_attrs() if gemms else None, rng)
+    mid = _between(nodes, inits, first, kind, n1, "x" if kind == "residual" else None, (m, n1))
+    second = _product(nodes, inits, mid, "p2", n1, n2, gemm_attrs() if gemms else None, rng)
+    if draw(st.booleans()):
+        inits["b2"] = rng.standard_normal(n2).astype(np.float32)
+        nodes.append(helper.make_node("Add", [second, "b2"], ["y"]))
+        second = "y"
+    shape = (*batch, m, k1)
+    return model(nodes, {"x": (shape, "float32")}, [second], inits), shape
+
+
+def _intensive(kernels) -> list[dict]:
+    return [s for k in kernels for s in k.schedule["stages"] if "intensive" in str(s.get("form"))]
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=row_pairs(), tile_bytes=st.sampled_from([1 << 11, 1 << 18]))
+def test_matmul_pairs_match_onnxruntime(case, tile_bytes):
+    onnx_model, shape = case
+    x = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
+    want = reference(onnx_model, {"x": x})
+    graph = frontend.build(onnx_model, {}, "test")
+    plan = plan_for(graph, "ago")
+    overrides = {b.id: {"intensive_tile_bytes": tile_bytes} for b in plan.blocks}
+    kernels = generate(plan, host_target(), block_schedules=overrides)
+    values = run_kernels(plan, kernels, {graph.inputs[0]: x})
+    assert_matches([values[t] for t in graph.outputs], want, "[ago]")
+    products = [op for op in graph.ops if op.op_type in ("MatMul", "Gemm")]
+    rows = int(np.prod(shape[:-1]))
+    mr = tile_for(host_target().isa, "float32").mr
+    weights = [graph.tensors[op.inputs[1]].numel for op in products]
+    if len(products) == 2 and len(plan.blocks) == 1 and rows >= mr and min(weights) > 1:
+        up = graph.tensors[products[0].inputs[0]].shape[-1] + graph.tensors[products[0].outputs[0]].shape[-1]
+        if tile_bytes == 1 << 18 and mr * up * 4 <= tile_bytes:
+            assert [s["form"] for s in _intensive(kernels)] == [f"intensive {POINTWISE}"]
