@@ -119,3 +119,82 @@ def test_matmul_pairs_match_onnxruntime(case, tile_bytes):
         up = graph.tensors[products[0].inputs[0]].shape[-1] + graph.tensors[products[0].outputs[0]].shape[-1]
         if tile_bytes == 1 << 18 and mr * up * 4 <= tile_bytes:
             assert [s["form"] for s in _intensive(kernels)] == [f"intensive {POINTWISE}"]
+
+
+def _ffn(batch: int, seq: int, hidden: int, inner: int):
+    """A BERT FFN: MatMul + bias → GELU → MatMul + bias → residual."""
+    rng = np.random.default_rng(0)
+    nodes, inits = [], {}
+    first = _product(nodes, inits, "x", "p1", hidden, inner, None, rng)
+    mid = _between(nodes, inits, first, "gelu", inner, None, (seq, inner))
+    second = _product(nodes, inits, mid, "p2", inner, hidden, None, rng)
+    inits["b2"] = rng.standard_normal(hidden).astype(np.float32)
+    nodes += [helper.make_node("Add", [second, "b2"], ["y0"]),
+              helper.make_node("Add", ["y0", "x"], ["y"])]
+    return model(nodes, {"x": ((batch, seq, hidden), "float32")}, ["y"], inits)
+
+
+def test_an_ffn_runs_as_one_stage_without_its_intermediate_and_off_keeps_results():
+    m = _ffn(2, 24, 32, 128)
+    graph = frontend.build(m, {}, "t")
+    plan = plan_for(graph, "ago")
+    assert plan.kernels == 1
+    x = np.random.default_rng(2).standard_normal((2, 24, 32)).astype(np.float32)
+    want = reference(m, {"x": x})
+    fused = generate(plan, host_target())
+    assert [s["form"] for s in _intensive(fused)] == [f"intensive {POINTWISE}"]
+    assert fused[0].scratch_bytes < 2 * 24 * 128 * 4  # the 48 × 128 intermediate is not in memory
+    off = generate(plan, host_target(), block_schedules={plan.blocks[0].id: {"intensive_fusion": False}})
+    assert not _intensive(off)
+    for kernels in (fused, off):
+        values = run_kernels(plan, kernels, {graph.inputs[0]: x})
+        assert_matches([values[t] for t in graph.outputs], want)
+
+
+def test_a_single_row_product_is_not_fused_and_stays_right():
+    m = _ffn(1, 1, 32, 128)
+    graph = frontend.build(m, {}, "t")
+    plan = plan_for(graph, "ago")
+    kernels = generate(plan, host_target())
+    assert not _intensive(kernels)  # one row: a micro-kernel panel would be mostly padding
+    x = np.random.default_rng(3).standard_normal((1, 1, 32)).astype(np.float32)
+    values = run_kernels(plan, kernels, {graph.inputs[0]: x})
+    assert_matches([values[t] for t in graph.outputs], reference(m, {"x": x}))
+
+
+def _conv_matmul(conv_first: bool):
+    """Conv → Reshape → Transpose → MatMul (patch embedding into a linear layer), or MatMul →
+    Transpose → Reshape → 1×1 Conv."""
+    rng = np.random.default_rng(4)
+    c, h, w = 8, 4, 6
+    inits = {"wc": rng.standard_normal((c, c, 1, 1)).astype(np.float32),
+             "wm": rng.standard_normal((c, c)).astype(np.float32),
+             "flat": np.array([1, c, h * w], np.int64), "image": np.array([1, c, h, w], np.int64)}
+    if conv_first:
+        nodes = [helper.make_node("Conv", ["x", "wc"], ["c"]),
+                 helper.make_node("Reshape", ["c", "flat"], ["r"]),
+                 helper.make_node("Transpose", ["r"], ["t"], perm=[0, 2, 1]),
+                 helper.make_node("MatMul", ["t", "wm"], ["y"])]
+        return model(nodes, {"x": ((1, c, h, w), "float32")}, ["y"], inits), (1, c, h, w)
+    nodes = [helper.make_node("MatMul", ["x", "wm"], ["m"]),
+             helper.make_node("Transpose", ["m"], ["t"], perm=[0, 2, 1]),
+             helper.make_node("Reshape", ["t", "image"], ["r"]),
+             helper.make_node("Conv", ["r", "wc"], ["y"])]
+    return model(nodes, {"x": ((1, h * w, c), "float32")}, ["y"], inits), (1, h * w, c)
+
+
+def test_conv_and_matmul_pairs_across_a_transposition_stay_two_stages_and_right():
+    for conv_first in (True, False):
+        m, shape = _conv_matmul(conv_first)
+        graph = frontend.build(m, {}, "t")
+        plan = plan_for(graph, "ago")
+        ops = [graph.op_by_id[i] for b in plan.blocks for i in b.op_ids]
+        down = next(op for op in reversed(ops) if op.op_type in ("Conv", "MatMul"))
+        assert category(down, graph) == POINTWISE  # the downstream op qualifies; the layouts do not
+        for block in plan.blocks:
+            block_ops = [graph.op_by_id[i] for i in block.op_ids]
+            assert not find_pairs(graph, block_ops, set(block.outputs), set(graph.outputs))
+        x = np.random.default_rng(5).standard_normal(shape).astype(np.float32)
+        kernels = generate(plan, host_target())
+        values = run_kernels(plan, kernels, {graph.inputs[0]: x})
+        assert_matches([values[t] for t in graph.outputs], reference(m, {"x": x}))
