@@ -22,16 +22,23 @@ Any other downstream convolution reuses along O2, H2 and W2 at once; its pairs a
 The upstream op is any 2-D convolution with one group (an implicit GEMM whose weight panels are
 packed at compile time and whose im2col operand is packed once per call, or read in place for a
 1×1 convolution) or a depthwise convolution (direct loops). Between the two may stand
-elementwise ops (bias, ReLU6, SiLU: the upstream op's epilogue); they are applied when the tile
-is filled. The downstream op's own epilogue runs on its results as in any stage.
+elementwise ops (bias, ReLU6, SiLU: the upstream op's epilogue; their other operands constants or
+block inputs read at the same element, such as a residual); they are applied when the tile is
+filled. The downstream op's own epilogue runs on its results as in any stage.
 
 On a CPU the paper's "tile in L1" becomes a buffer on the thread's stack sized by the schedule's
 `intensive_tile_bytes` (default a quarter of a 1 MiB L2: the tile, the weights it meets and the
 output rows stay in L2); the matrix products inside a tile run the register-blocked micro-kernel
 (`kiln.codegen.microkernel`), so the tiling for registers is independent of the tiling for the
 cache, as the paper's Fig. 7 keeps it. A pair whose smallest tile does not fit the budget is not
-fused. MatMul pairs are not fused here: Kiln's row stages already run back-to-back matrix
-products row tile by row tile (DNNFusion's relaxation in `kiln.plan.dnnfusion`).
+fused.
+
+Matrix products are the paper's pointwise convolutions ("mathematically equivalent", §III-B): a
+MatMul or Gemm downstream with constant weights falls in the pointwise category, its tiles are
+blocks of rows with every column of the intermediate, and a MatMul/Gemm upstream fills them
+(`kiln.codegen.intensive_rows`). A conv's NCHW result and a product's row-major operand do not
+share a layout: between a conv and a MatMul stands a transposition, which no op between a pair
+may be here, so conv ↔ MatMul pairs run as two stages.
 """
 from __future__ import annotations
 
