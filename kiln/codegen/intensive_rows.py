@@ -10,7 +10,8 @@ intermediate (all of N1 = K2) and a block of its rows never split the reused dim
 element of the upstream product is computed twice. Rows play the part of the pointwise pair's
 pixels, columns that of its channels. A downstream product whose intermediate operand is B (reused
 along M), or whose weights differ per batch, reuses along a second kind of dimension and is not
-fused.
+fused. (A conv on one side and a product on the other: `kiln.codegen.intensive`, with the
+pieces of `RowPairLowering`.)
 
 The upstream product may be any MatMul or Gemm with constant weights shared by its batch; batch
 dims of both products are flattened into rows (R = batch · M), so a tile may span two batch
@@ -42,10 +43,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kiln.codegen import ir
-from kiln.codegen.contexts import Provided, StageCtx
+from kiln.codegen.contexts import BlockServices, NotFusable, Provided, StageCtx
 from kiln.codegen.expr import (
     Expr,
     add,
@@ -58,6 +59,7 @@ from kiln.codegen.expr import (
     modulo,
     mul,
     sub,
+    walk,
 )
 from kiln.codegen.gemm.packed import micro_kernel
 from kiln.codegen.gemm.packing import OperandSide, Packed, constant_panels
@@ -66,10 +68,15 @@ from kiln.codegen.indexing import Index
 from kiln.codegen.ops.contraction import MATRIX_SPECS, matmul_dims
 from kiln.ecg import Graph, Op
 
-if TYPE_CHECKING:
-    from kiln.codegen.intensive import Pair
-
 FLOAT = "float32"
+
+
+class Pair(Protocol):
+    """The pair as `kiln.codegen.intensive` finds it (this module does not import that one)."""
+
+    up: Op
+    down: Op
+    category: str
 
 
 @dataclass(frozen=True)
@@ -128,15 +135,22 @@ def fits(pair: Pair, graph: Graph, tile_bytes: int, mr: int) -> bool:
     return up.rows >= mr and mr * (up.k + up.n) * 4 <= tile_bytes
 
 
-class _RowPairLowering:
+class RowPairLowering:
+    """The pieces of a fused stage over rows of matrix products: packing a tile's rows, the
+    micro-kernel over panels, filling the intermediate, the downstream epilogue; `lower` puts
+    them together for two products (`kiln.codegen.intensive` for a conv and a product)."""
+
     def __init__(self, down_ctx: StageCtx, up_ctx: StageCtx, pair: Pair):
         self.ctx, self.up_ctx, self.pair = down_ctx, up_ctx, pair
         self.graph = down_ctx.graph
         self.uk = micro_kernel(down_ctx, FLOAT)
-        self.up = MATRIX_SPECS[pair.up.op_type](up_ctx)
-        self.down = MATRIX_SPECS[pair.down.op_type](down_ctx)
-        self.rows = math.prod(self.up.batch) * self.up.m
-        self.tm = tile_rows(pair, self.graph, down_ctx.schedule.intensive_tile_bytes, self.uk.mr)
+        # the products of the pair (a conv's side, in a pair of a conv and a product, is None)
+        self.up = _spec(up_ctx, pair.up)
+        self.down = _spec(down_ctx, pair.down)
+        product = self.up or self.down
+        self.rows = math.prod(product.batch) * product.m
+        self.tm = (tile_rows(pair, self.graph, down_ctx.schedule.intensive_tile_bytes, self.uk.mr)
+                   if self.up and self.down else 0)
 
     def row(self, spec: Contraction, r: Expr) -> tuple[Expr, Expr]:
         """(flat batch, row within the batch element) of flattened row `r`."""
@@ -156,12 +170,13 @@ class _RowPairLowering:
         return blocks, -(-k // blocks)
 
     def products(self, a: str, k: int, b: Packed, n: int, row_panels: Expr, tile: str,
-                 done: Callable[[Expr, Expr], list[ir.Stmt]]) -> ir.Loop:
-        """tile[mr][nr] = Σ_k a-panels · b-panels for every (column panel, row panel), each
-        finished tile handed to `done(jp, ip)` (statements)."""
+                 done: Callable[[Expr, Expr], list[ir.Stmt]], panels: int = 0) -> ir.Loop:
+        """tile[mr][nr] = Σ_k a-panels · b-panels for every (column panel, row panel < at most
+        `panels`), each finished tile handed to `done(jp, ip)` (statements)."""
         uk, ctx = self.uk, self.ctx
         blocks, kc_size = self.k_blocks(k)
-        jp, ip, kb = ctx.var("jp", -(-n // uk.nr)), ctx.var("ip", self.tm // uk.mr), ctx.var("kb", blocks)
+        panels = panels or self.tm // uk.mr
+        jp, ip, kb = ctx.var("jp", -(-n // uk.nr)), ctx.var("ip", panels), ctx.var("kb", blocks)
         k0 = mul(kb, kc_size)
         kc = iconst(kc_size) if k % kc_size == 0 else imin(iconst(kc_size), sub(iconst(k), k0))
         call = ir.MicroKernelCall(uk, kc, a, mul(add(mul(ip, k), k0), uk.mr),
@@ -172,12 +187,14 @@ class _RowPairLowering:
             ir.Loop(ip, iconst(0), row_panels, [ir.Loop(kb, iconst(0), iconst(blocks), [call]),
                                                 *done(jp, ip)])])
 
-    def pack_rows(self, r0: Expr, row_panels: Expr, packed: str) -> ir.Loop:
-        """The tile's rows of the upstream A operand in panels of `mr` (rows past the end repeat
-        the last one, so that every panel element is a finite number)."""
+    def pack_rows(self, r0: Expr, row_panels: Expr, packed: str, last: Expr | None = None,
+                  panels: int = 0) -> ir.Loop:
+        """The tile's rows of the upstream A operand in panels of `mr` (rows past `last`, by
+        default the last row, repeat it, so that every panel element is a finite number)."""
         uk, up, ctx = self.uk, self.up, self.up_ctx
-        ip, rr, k = ctx.var("ip", self.tm // uk.mr), ctx.var("r", uk.mr), ctx.var("k", up.k)
-        row = imin(add(r0, mul(ip, uk.mr), rr), iconst(self.rows - 1))
+        panels = panels or self.tm // uk.mr
+        ip, rr, k = ctx.var("ip", panels), ctx.var("r", uk.mr), ctx.var("k", up.k)
+        row = imin(add(r0, mul(ip, uk.mr), rr), iconst(self.rows - 1) if last is None else last)
         b, i = self.row(up, row)
         value = up.a(Index(up.a_batch, flat=b), i, k)
         store = ir.ArrayStore(packed, add(mul(add(mul(ip, up.k), k), uk.mr), rr), value)
@@ -194,24 +211,26 @@ class _RowPairLowering:
         j = add(mul(jp, uk.nr), c)
         b, i = self.row(up, row)
         total = up.finish(array_load(tile, FLOAT, add(mul(rr, uk.nr), c)), b, i, j)
-        flat = up.out(b, i, j).flat
-        builder = ctx.low.builder({self.pair.up.outputs[0]: Provided(flat, total)})
         down_input = self.graph.tensors[self.pair.down.inputs[0]]
-        value = builder.value(down_input.id, Index(down_input.shape, flat=flat))
+        value = through_the_ops_between(ctx.low, self.pair.up.outputs[0], total, down_input.id,
+                                        Index(down_input.shape, flat=up.out(b, i, j).flat))
         store = ir.ArrayStore(mid, add(mul(add(mul(ip, up.n), j), uk.mr), rr), value)
         cols = imin(iconst(uk.nr), sub(iconst(up.n), mul(jp, uk.nr)))
         return [ir.Loop(rr, iconst(0), iconst(uk.mr), [ir.Loop(c, iconst(0), cols, [store],
                                                                 simd=True)])]
 
-    def epilogue(self, r0: Expr, jp: Expr, ip: Expr, tile: str) -> list[ir.Stmt]:
-        """A finished downstream tile through the downstream op's epilogue into the outputs."""
+    def epilogue(self, r0: Expr, jp: Expr, ip: Expr, tile: str,
+                 end: Expr | None = None) -> list[ir.Stmt]:
+        """A finished downstream tile through the downstream op's epilogue into the outputs
+        (rows before `end`, by default the product's last row)."""
         uk, down, ctx = self.uk, self.down, self.ctx
         rr, c = ctx.var("r", uk.mr), ctx.var("c", uk.nr)
         row = add(r0, mul(ip, uk.mr), rr)
         b, i = self.row(down, row)
         j = add(mul(jp, uk.nr), c)
         stmts = results(ctx, down, array_load(tile, FLOAT, add(mul(rr, uk.nr), c)), b, i, j)
-        rows_here = imin(iconst(uk.mr), sub(iconst(self.rows), add(r0, mul(ip, uk.mr))))
+        end = iconst(self.rows) if end is None else end
+        rows_here = imin(iconst(uk.mr), sub(end, add(r0, mul(ip, uk.mr))))
         cols = imin(iconst(uk.nr), sub(iconst(down.n), mul(jp, uk.nr)))
         return [ir.Loop(rr, iconst(0), rows_here, [ir.Loop(c, iconst(0), cols, stmts, simd=True)])]
 
@@ -241,6 +260,29 @@ class _RowPairLowering:
                         micro_kernel=f"{uk.mr}x{uk.nr}")
 
 
+def through_the_ops_between(low: BlockServices, mid: str, value: Expr, target: str,
+                            index: Index) -> Expr:
+    """`target` at `index` when the intermediate `mid` holds `value` at the element the ops
+    between read for it. The pair's layout check (`kiln.codegen.intensive._layout`) proved
+    which element that is; its offset is read off the expression the ops between build from a
+    load of `mid` (reshapes and transpositions write it in forms of their own, which an offset
+    written here would have to match node for node)."""
+    low.ready.add(mid)
+    try:
+        probe = low.builder().value(target, index)
+    finally:
+        low.ready.discard(mid)
+    offsets = {e.args[0] for e in walk([probe]) if e.op == "load" and e.name == mid}
+    if len(offsets) != 1:
+        raise NotFusable(mid)
+    return low.builder({mid: Provided(offsets.pop(), value)}).value(target, index)
+
+
+def _spec(ctx: StageCtx, op: Op) -> Contraction | None:
+    build = MATRIX_SPECS.get(op.op_type)
+    return build(ctx) if build is not None else None
+
+
 def lower_row_pair(down_ctx: StageCtx, up_ctx: StageCtx, pair: Pair) -> None:
     """Emit the fused stage of a matrix-product pair (whose tile `fits`)."""
-    _RowPairLowering(down_ctx, up_ctx, pair).lower()
+    RowPairLowering(down_ctx, up_ctx, pair).lower()

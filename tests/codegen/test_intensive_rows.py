@@ -5,12 +5,12 @@ MatMul pairs, whose layouts do not match, stay two stages and stay right."""
 from __future__ import annotations
 
 import numpy as np
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, note, settings, strategies as st
 from onnx import helper
 
 from kiln import frontend
 from kiln.codegen import generate
-from kiln.codegen.intensive import POINTWISE, category, find_pairs
+from kiln.codegen.intensive import CONV_TO_ROWS, POINTWISE, find_pairs
 from kiln.codegen.microkernel import tile_for
 from kiln.target import host_target
 from tests.codegen.harness import assert_matches, model, plan_for, reference, run_kernels
@@ -162,39 +162,107 @@ def test_a_single_row_product_is_not_fused_and_stays_right():
     assert_matches([values[t] for t in graph.outputs], reference(m, {"x": x}))
 
 
-def _conv_matmul(conv_first: bool):
-    """Conv → Reshape → Transpose → MatMul (patch embedding into a linear layer), or MatMul →
-    Transpose → Reshape → 1×1 Conv."""
+@st.composite
+def conv_matmul_pairs(draw):
+    """Conv (k×k, strides, pads) → [ReLU] → Reshape (N, C, HW) → Transpose → [bias] → MatMul (a
+    patch embedding into a linear layer), or MatMul → [bias] → Transpose → Reshape (N, C, H, W)
+    → [ReLU] → 1×1 Conv."""
+    rng = np.random.default_rng(draw(st.integers(0, 1000)))
+    n, c, h, w = draw(st.integers(1, 2)), draw(st.integers(1, 20)), draw(st.integers(2, 12)), draw(st.integers(2, 12))
+    d = draw(st.integers(1, 24))
+    conv_first = draw(st.booleans())
+    nodes, inits = [], {}
+    act = draw(st.booleans())
+    bias = draw(st.booleans())
+    if conv_first:
+        cin, k = draw(st.integers(1, 5)), draw(st.integers(1, 3))
+        pad = draw(st.integers(0, k - 1)) if k > 1 else 0
+        stride = draw(st.integers(1, 2))
+        hin, win = (h - 1) * stride + k - 2 * pad, (w - 1) * stride + k - 2 * pad
+        if hin < 1 or win < 1:
+            hin, win, pad, stride = h + k - 1, w + k - 1, 0, 1
+        inits["wc"] = rng.standard_normal((c, cin, k, k)).astype(np.float32)
+        inits["bc"] = rng.standard_normal(c).astype(np.float32)
+        nodes.append(helper.make_node("Conv", ["x", "wc", "bc"], ["c0"], kernel_shape=[k, k],
+                                      pads=[pad] * 4, strides=[stride] * 2))
+        x = "c0"
+        if act:
+            nodes.append(helper.make_node("Relu", [x], ["c1"]))
+            x = "c1"
+        oh = (hin + 2 * pad - k) // stride + 1
+        ow = (win + 2 * pad - k) // stride + 1
+        inits["flat"] = np.array([n, c, oh * ow], np.int64)
+        nodes += [helper.make_node("Reshape", [x, "flat"], ["r"]),
+                  helper.make_node("Transpose", ["r"], ["t"], perm=[0, 2, 1])]
+        x = "t"
+        if bias:
+            inits["bt"] = rng.standard_normal(c).astype(np.float32)
+            nodes.append(helper.make_node("Add", [x, "bt"], ["t1"]))
+            x = "t1"
+        inits["wm"] = rng.standard_normal((c, d)).astype(np.float32)
+        nodes.append(helper.make_node("MatMul", [x, "wm"], ["y"]))
+        return model(nodes, {"x": ((n, cin, hin, win), "float32")}, ["y"], inits), (n, cin, hin, win)
+    inits["wm"] = rng.standard_normal((d, c)).astype(np.float32)
+    nodes.append(helper.make_node("MatMul", ["x", "wm"], ["m"]))
+    x = "m"
+    if bias:
+        inits["bm"] = rng.standard_normal(c).astype(np.float32)
+        nodes.append(helper.make_node("Add", [x, "bm"], ["m1"]))
+        x = "m1"
+    inits["image"] = np.array([n, c, h, w], np.int64)
+    nodes += [helper.make_node("Transpose", [x], ["t"], perm=[0, 2, 1]),
+              helper.make_node("Reshape", ["t", "image"], ["r"])]
+    x = "r"
+    if act:
+        nodes.append(helper.make_node("Relu", [x], ["r1"]))
+        x = "r1"
+    out = draw(st.integers(1, 20))
+    inits["wc"] = rng.standard_normal((out, c, 1, 1)).astype(np.float32)
+    inits["bc"] = rng.standard_normal(out).astype(np.float32)
+    nodes.append(helper.make_node("Conv", [x, "wc", "bc"], ["y"]))
+    return model(nodes, {"x": ((n, h * w, d), "float32")}, ["y"], inits), (n, h * w, d)
+
+
+@settings(max_examples=30, deadline=None)
+@given(case=conv_matmul_pairs(), tile_bytes=st.sampled_from([1 << 12, 1 << 18]))
+def test_conv_and_matmul_pairs_across_a_transposition_match_onnxruntime(case, tile_bytes):
+    onnx_model, shape = case
+    graph = frontend.build(onnx_model, {}, "t")
+    plan = plan_for(graph, "ago")
+    x = np.random.default_rng(5).standard_normal(shape).astype(np.float32)
+    overrides = {b.id: {"intensive_tile_bytes": tile_bytes} for b in plan.blocks}
+    kernels = generate(plan, host_target(), block_schedules=overrides)
+    values = run_kernels(plan, kernels, {graph.inputs[0]: x})
+    assert_matches([values[t] for t in graph.outputs], reference(onnx_model, {"x": x}), "[ago]")
+    uk = tile_for(host_target().isa, "float32")
+    unit = np.lcm(uk.mr, uk.nr)
+    conv = next(op for op in graph.ops if op.op_type == "Conv")
+    nchw = graph.tensors[conv.outputs[0] if graph.ops[0] is conv else conv.inputs[0]].shape
+    weights = [graph.tensors[op.inputs[1]].numel for op in graph.ops if len(op.inputs) > 1
+               and op.op_type in ("Conv", "MatMul")]
+    if (len(plan.blocks) == 1 and tile_bytes == 1 << 18 and nchw[2] * nchw[3] >= unit
+            and min(weights) > 1):
+        note(f"{shape} {[n.op_type for n in onnx_model.graph.node]} {nchw} {weights}")
+        assert [s["form"] for s in _intensive(kernels)] == [f"intensive {POINTWISE}"]
+
+
+def test_the_layouts_a_pair_of_a_conv_and_a_matmul_may_have():
     rng = np.random.default_rng(4)
     c, h, w = 8, 4, 6
     inits = {"wc": rng.standard_normal((c, c, 1, 1)).astype(np.float32),
              "wm": rng.standard_normal((c, c)).astype(np.float32),
-             "flat": np.array([1, c, h * w], np.int64), "image": np.array([1, c, h, w], np.int64)}
-    if conv_first:
-        nodes = [helper.make_node("Conv", ["x", "wc"], ["c"]),
-                 helper.make_node("Reshape", ["c", "flat"], ["r"]),
-                 helper.make_node("Transpose", ["r"], ["t"], perm=[0, 2, 1]),
-                 helper.make_node("MatMul", ["t", "wm"], ["y"])]
-        return model(nodes, {"x": ((1, c, h, w), "float32")}, ["y"], inits), (1, c, h, w)
-    nodes = [helper.make_node("MatMul", ["x", "wm"], ["m"]),
-             helper.make_node("Transpose", ["m"], ["t"], perm=[0, 2, 1]),
-             helper.make_node("Reshape", ["t", "image"], ["r"]),
-             helper.make_node("Conv", ["r", "wc"], ["y"])]
-    return model(nodes, {"x": ((1, h * w, c), "float32")}, ["y"], inits), (1, h * w, c)
-
-
-def test_conv_and_matmul_pairs_across_a_transposition_stay_two_stages_and_right():
-    for conv_first in (True, False):
-        m, shape = _conv_matmul(conv_first)
+             "flat": np.array([1, c, h * w], np.int64)}
+    # without the Transpose, a row of the MatMul would be one channel's pixels: no pair
+    nodes = [helper.make_node("Conv", ["x", "wc"], ["c"]),
+             helper.make_node("Reshape", ["c", "flat"], ["r"]),
+             helper.make_node("Transpose", ["r"], ["t"], perm=[0, 2, 1]),
+             helper.make_node("MatMul", ["t", "wm"], ["y"])]
+    found = []
+    for with_transpose in (True, False):
+        wm = inits["wm"] if with_transpose else rng.standard_normal((h * w, c)).astype(np.float32)
+        ops = nodes if with_transpose else [nodes[0], nodes[1], helper.make_node("MatMul", ["r", "wm"], ["y"])]
+        m = model(ops, {"x": ((1, c, h, w), "float32")}, ["y"], {**inits, "wm": wm})
         graph = frontend.build(m, {}, "t")
-        plan = plan_for(graph, "ago")
-        ops = [graph.op_by_id[i] for b in plan.blocks for i in b.op_ids]
-        down = next(op for op in reversed(ops) if op.op_type in ("Conv", "MatMul"))
-        assert category(down, graph) == POINTWISE  # the downstream op qualifies; the layouts do not
-        for block in plan.blocks:
-            block_ops = [graph.op_by_id[i] for i in block.op_ids]
-            assert not find_pairs(graph, block_ops, set(block.outputs), set(graph.outputs))
-        x = np.random.default_rng(5).standard_normal(shape).astype(np.float32)
-        kernels = generate(plan, host_target())
-        values = run_kernels(plan, kernels, {graph.inputs[0]: x})
-        assert_matches([values[t] for t in graph.outputs], reference(m, {"x": x}))
+        pairs = find_pairs(graph, list(graph.ops), set(graph.outputs), set(graph.outputs))
+        found.append([p.layout for p in pairs.values()])
+    assert found == [[CONV_TO_ROWS], []]
