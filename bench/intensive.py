@@ -1,7 +1,7 @@
-"""AGO's intensive fusion at kernel level: the blocks where `ago` fused a conv pair (conv →
-depthwise, conv → pointwise), timed against what `dnnfusion` runs for the same ops, and against
-`ago` with intensive fusion off (the same blocks lowered as separate stages with a full
-intermediate).
+"""AGO's intensive fusion at kernel level: the blocks where `ago` fused a pair (conv →
+depthwise, conv → pointwise, matrix products), timed against what `dnnfusion` runs for the
+same ops, and against `ago` with intensive fusion off (the same blocks lowered as separate
+stages with a full intermediate).
 
 For each model, three artifacts are built from the same ECG: dnnfusion, ago, and ago with the
 schedule parameter `intensive_fusion` off. Their runners are called in rounds, the order
@@ -133,6 +133,13 @@ def report(model, built, block_ms, latency, args) -> None:
     if rows:
         print(f"{'all':>4s} {'':>11s} {totals[0]:12.3f} {totals[1]:8.3f} {totals[2]:10.3f} "
               f"{totals[1] / totals[0]:8.2f} {totals[1] / totals[2]:8.2f}")
+    # the same plan with and without intensive fusion: its blocks that hold a fused pair, one by one
+    pairs = sum(1 for k in built["ago"][1] for s in k.schedule["stages"]
+                if "intensive" in str(s.get("form")))
+    on, off = (sum(block_ms[v][b] for b in intensive) for v in ("ago", "ago-off"))
+    if intensive:
+        print(f"ago's {len(intensive)} blocks with {pairs} intensive stages: {on:.3f} ms, the same "
+              f"blocks with intensive fusion off {off:.3f} ms, on/off {on / off:.2f}")
     med = {name: statistics.median(v) for name, v in latency.items()}
     print("end to end (runner median ms): " + ", ".join(f"{n} {v:.2f}" for n, v in med.items())
           + f"; ago/dnnfusion {med['ago'] / med['dnnfusion']:.2f}, ago/ago-off "

@@ -7,6 +7,7 @@ import math
 import numpy as np
 from hypothesis import given, settings
 
+from kiln.codegen.intensive import POINTWISE, find_pairs
 from kiln.plan import partitioner
 from kiln.plan.ago import (
     AGO,
@@ -147,3 +148,40 @@ def test_subgraphs_may_hold_several_complex_ops_and_split_keeps_one():
     assert max(sum(graph.op_by_id[i].op_type == "Conv" for i in b.op_ids) for b in plan.blocks) >= 2
     split = AGO(Settings(max_complex=1))(graph, RandomLatencies(0))
     assert all(sum(graph.op_by_id[i].op_type == "Conv" for i in b.op_ids) <= 1 for b in split.blocks)
+
+
+def bert_like_ffn(seq: int, hidden: int, inner: int):
+    """A transformer FFN as BERT's exporter writes it: MatMul + bias, GELU (erf), MatMul + bias,
+    residual."""
+    shapes = {t: (1, seq, inner) for t in ("m1", "a1", "d", "e", "e1", "g0", "g")}
+    shapes.update({t: (1, seq, hidden) for t in ("x", "m2", "a2", "y")})
+    rng = np.random.default_rng(0)
+    constants = {"w1": rng.standard_normal((hidden, inner)).astype(np.float32),
+                 "b1": rng.standard_normal(inner).astype(np.float32),
+                 "w2": rng.standard_normal((inner, hidden)).astype(np.float32),
+                 "b2": rng.standard_normal(hidden).astype(np.float32),
+                 "sq": np.array(1.4142135, np.float32), "one": np.array(1, np.float32),
+                 "half": np.array(0.5, np.float32)}
+    shapes.update({k: v.shape for k, v in constants.items()})
+    ops = [("MatMul", ["x", "w1"], ["m1"]), ("Add", ["m1", "b1"], ["a1"]), ("Div", ["a1", "sq"], ["d"]),
+           ("Erf", ["d"], ["e"]), ("Add", ["e", "one"], ["e1"]), ("Mul", ["a1", "e1"], ["g0"]),
+           ("Mul", ["g0", "half"], ["g"]), ("MatMul", ["g", "w2"], ["m2"]), ("Add", ["m2", "b2"], ["a2"]),
+           ("Add", ["a2", "x"], ["y"])]
+    return ecg(ops, shapes, ["x"], ["y"], constants)
+
+
+def test_a_bert_like_ffn_is_one_subgraph_whose_matmuls_are_an_intensive_pair():
+    class Machine:
+        l2_bytes = 1 << 20
+
+    store = RandomLatencies(0)
+    store.machine = Machine()
+    graph = bert_like_ffn(64, 256, 1024)  # BERT-small's sizes: under the 1 MiB L2's threshold
+    plan = partitioner("ago")(graph, store)
+    matmuls = {op.id for op in graph.ops if op.op_type == "MatMul"}
+    block = next(b for b in plan.blocks if matmuls <= set(b.op_ids))
+    pairs = find_pairs(graph, [graph.op_by_id[i] for i in block.op_ids], set(block.outputs),
+                       set(graph.outputs))
+    (pair,) = pairs.values()
+    assert {pair.up.id, pair.down.id} == matmuls and pair.rows and pair.category == POINTWISE
+    assert [op.op_type for op in pair.between] == ["Add", "Div", "Erf", "Add", "Mul", "Mul"]

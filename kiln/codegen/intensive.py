@@ -22,23 +22,37 @@ Any other downstream convolution reuses along O2, H2 and W2 at once; its pairs a
 The upstream op is any 2-D convolution with one group (an implicit GEMM whose weight panels are
 packed at compile time and whose im2col operand is packed once per call, or read in place for a
 1×1 convolution) or a depthwise convolution (direct loops). Between the two may stand
-elementwise ops (bias, ReLU6, SiLU: the upstream op's epilogue); they are applied when the tile
-is filled. The downstream op's own epilogue runs on its results as in any stage.
+elementwise ops (bias, ReLU6, SiLU: the upstream op's epilogue; their other operands constants or
+block inputs read at the same element, such as a residual); they are applied when the tile is
+filled. The downstream op's own epilogue runs on its results as in any stage.
 
 On a CPU the paper's "tile in L1" becomes a buffer on the thread's stack sized by the schedule's
 `intensive_tile_bytes` (default a quarter of a 1 MiB L2: the tile, the weights it meets and the
 output rows stay in L2); the matrix products inside a tile run the register-blocked micro-kernel
 (`kiln.codegen.microkernel`), so the tiling for registers is independent of the tiling for the
 cache, as the paper's Fig. 7 keeps it. A pair whose smallest tile does not fit the budget is not
-fused. MatMul pairs are not fused here: Kiln's row stages already run back-to-back matrix
-products row tile by row tile (DNNFusion's relaxation in `kiln.plan.dnnfusion`).
+fused.
+
+Matrix products are the paper's pointwise convolutions ("mathematically equivalent", §III-B): a
+MatMul or Gemm downstream with constant weights falls in the pointwise category, its tiles are
+blocks of rows with every column of the intermediate, and a MatMul/Gemm upstream fills them
+(`kiln.codegen.intensive_rows`). A conv's NCHW result and a product's row-major operand meet
+across a transposition (Reshape to (N, C, H·W) and Transpose, as a patch embedding feeds a linear
+layer, or the reverse): the pair is still of the pointwise category with pixels for rows, and a
+tile of one image's pixels × every channel is transposed inside the tile, from the conv's
+channel-major sums into the product's A panels (CONV_TO_ROWS), or from the product's register
+tiles into the pointwise conv's channel-major sums (ROWS_TO_CONV). Which layout a pair has is
+decided by carrying element offsets through the ops between (`_layout`); a path that maps them
+any other way (a row of the product made of one channel's pixels) is not fused.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-from kiln.codegen import ir
+import numpy as np
+
+from kiln.codegen import intensive_rows, ir
 from kiln.codegen.contexts import Provided, StageCtx
 from kiln.codegen.expr import (
     Expr,
@@ -69,6 +83,8 @@ from kiln.ecg import Graph, Op
 from kiln.mapping import MappingType
 
 DEPTHWISE, POINTWISE = "depthwise", "pointwise"
+ROW_PRODUCTS = ("MatMul", "Gemm")
+CHANNELS, ROWS, CONV_TO_ROWS, ROWS_TO_CONV = "channels", "rows", "conv to rows", "rows to conv"
 MAX_TAPS = 49
 FLOAT = "float32"
 
@@ -79,6 +95,12 @@ class Pair:
     down: Op
     between: tuple[Op, ...]  # elementwise ops from the upstream result to the downstream input
     category: str  # DEPTHWISE (Fig. 7a) or POINTWISE (Fig. 7b)
+    layout: str = CHANNELS  # how tiles see the intermediate (`_layout`)
+
+    @property
+    def rows(self) -> bool:
+        """Does a tile hold rows of a matrix product (`kiln.codegen.intensive_rows`)?"""
+        return self.layout != CHANNELS
 
 
 # --- which pairs ------------------------------------------------------------------------------------
@@ -120,8 +142,8 @@ def category(op: Op, graph: Graph) -> str | None:
     than one kind of dimension: fusing would recompute)."""
     if _is_depthwise(op, graph):
         return DEPTHWISE
-    if _is_pointwise(op, graph):
-        return POINTWISE
+    if _is_pointwise(op, graph) or intensive_rows.row_product(op, graph, True) is not None:
+        return POINTWISE  # a matrix product is a pointwise convolution (§III-B's last paragraph)
     return None
 
 
@@ -149,30 +171,106 @@ def find_pairs(graph: Graph, ops: list[Op], must_store: set[str],
         if found is None:
             continue
         up, between = found
-        if up.id in used or upstream_form(up, graph) is None:
+        layout = _layout(up, down, between, graph) if up.id not in used else None
+        if layout is None:
             continue
-        pairs[down.id] = Pair(up, down, between, kind)
+        pairs[down.id] = Pair(up, down, between, kind, layout)
         used |= {up.id, down.id}
     return pairs
 
 
-def _upstream(graph: Graph, producer: dict[str, Op], kept: set[str], down: Op) -> tuple[Op, tuple[Op, ...]] | None:
-    """The conv whose result reaches `down`'s input through elementwise ops of the block only
-    (`producer`: the block's tensors), every tensor on the way read by nothing but those ops and
-    `down`, and none of them kept in memory (`kept`)."""
+def _layout(up: Op, down: Op, between: tuple[Op, ...], graph: Graph) -> str | None:
+    """How the pair's tiles see the intermediate, or None when its elements do not reach the
+    downstream op in a layout a tile can follow:
+
+    * CHANNELS (conv → conv): the NCHW intermediate unchanged, tiled by channels or pixels;
+    * ROWS (product → product): the row-major intermediate in the same order (reshapes may
+      regroup its batch dims), tiled by rows;
+    * CONV_TO_ROWS: a conv's NCHW result transposed into rows of pixels × channels for a
+      product (a patch embedding into a linear layer), tiled by pixels, transposed in the tile;
+    * ROWS_TO_CONV: a product's rows of pixels × channels transposed into NCHW for a pointwise
+      conv, tiled by pixels, transposed in the tile."""
+    conv_up, conv_down = upstream_form(up, graph) is not None, down.op_type == "Conv"
+    mid, target = graph.tensors[up.outputs[0]], graph.tensors[down.inputs[0]]
+    if conv_up and conv_down:
+        same = all(op.mapping == MappingType.ONE_TO_ONE for op in between)
+        return CHANNELS if same and mid.shape == target.shape else None
+    moved = _element_map(graph, up, between, down)
+    if moved is None:
+        return None
+    if not conv_up and not conv_down:
+        in_order = np.array_equal(moved, np.arange(mid.numel))
+        return ROWS if in_order and intensive_rows.compatible(up, down, graph) else None
+    if conv_up and down.op_type in ROW_PRODUCTS and upstream_form(up, graph) == "gemm":
+        n, c, h, w = mid.shape
+        wanted = np.arange(mid.numel).reshape(n, c, h * w).transpose(0, 2, 1).reshape(-1)
+        product = intensive_rows.row_product(down, graph, True)
+        ok = product is not None and product.k == c and product.rows == n * h * w
+        return CONV_TO_ROWS if ok and np.array_equal(moved, wanted) else None
+    if conv_down and not conv_up and category(down, graph) == POINTWISE:
+        n, c, h, w = target.shape
+        wanted = np.arange(mid.numel).reshape(n, h * w, c).transpose(0, 2, 1).reshape(-1)
+        product = intensive_rows.row_product(up, graph, False)
+        ok = product is not None and product.n == c and product.rows == n * h * w
+        return ROWS_TO_CONV if ok and np.array_equal(moved, wanted) else None
+    return None
+
+
+def _element_map(graph: Graph, up: Op, between: tuple[Op, ...], down: Op) -> np.ndarray | None:
+    """Which element of the intermediate each element of the downstream input is (row-major
+    offsets), found by carrying the offsets through the ops between: elementwise ops keep them,
+    reshapes regroup them, a Transpose permutes them; None if an op between reads the
+    intermediate at another element (a broadcast of it)."""
+    mid = graph.tensors[up.outputs[0]]
+    values = {mid.id: np.arange(mid.numel).reshape(mid.shape)}
+    for op in between:
+        carried = [values[t] for t in op.present_inputs() if t in values]
+        out = graph.tensors[op.outputs[0]]
+        if not carried or any(not np.array_equal(v, carried[0]) for v in carried[1:]):
+            return None
+        value = carried[0]
+        if op.op_type == "Transpose":
+            value = value.transpose(op.attrs.get("perm") or None)
+        elif op.mapping == MappingType.REORGANIZE:
+            value = value.reshape(out.shape)
+        if value.shape != tuple(out.shape):
+            return None
+        values[out.id] = value
+    found = values.get(down.inputs[0])
+    return None if found is None else found.reshape(-1)
+
+
+def _on_the_path(op: Op) -> bool:
+    """Can `op` stand between a pair: an inline op that moves or maps elements one to one
+    (elementwise ops, reshapes, Transpose); `_layout` checks where the elements go."""
+    if lowering(op.op_type).kind != "inline" or len(op.outputs) != 1:
+        return False
+    return (op.mapping in (MappingType.ONE_TO_ONE, MappingType.REORGANIZE)
+            or op.op_type == "Transpose")
+
+
+def _upstream(graph: Graph, producer: dict[str, Op], kept: set[str],
+              down: Op) -> tuple[Op, tuple[Op, ...]] | None:
+    """The complex op whose result reaches `down`'s input through ops of the block that stand
+    between (`_on_the_path`; `producer`: the block's tensors), every tensor on the way read by
+    nothing but those ops and `down`, and none of them kept in memory (`kept`). Other operands
+    of the ops between are constants or tensors read from memory (a residual that is an input
+    of the block)."""
+    target = down.inputs[0]
     between: dict[str, Op] = {}
-    stack = [down.inputs[0]]
+    stack = [target]
     ups: set[str] = set()
     while stack:
         t = stack.pop()
         op = producer.get(t)
-        if op is None or t in kept:
+        if t in kept or (op is None and t == target):
             return None
-        if op.op_type == "Conv":
+        if op is None:  # a block input, read from memory
+            continue
+        if op.mapping == MappingType.MANY_TO_MANY and op.compute_intensive:
             ups.add(op.id)
             continue
-        if (op.mapping != MappingType.ONE_TO_ONE or lowering(op.op_type).kind != "inline"
-                or len(op.outputs) != 1 or graph.tensors[t].shape != graph.tensors[down.inputs[0]].shape):
+        if not _on_the_path(op):
             return None
         if op.id in between:
             continue
@@ -188,7 +286,7 @@ def _upstream(graph: Graph, producer: dict[str, Op], kept: set[str], down: Op) -
         for t in op.outputs:
             if t in kept or any(c.id not in inside for c in graph.consumers(t)):
                 return None
-    if graph.tensors[up.outputs[0]].shape != graph.tensors[down.inputs[0]].shape:
+    if graph.tensors[up.outputs[0]].numel != graph.tensors[target].numel:
         return None
     return up, tuple(sorted(between.values(), key=lambda o: graph.order[o.id]))
 
@@ -205,12 +303,14 @@ class _PairLowering:
         self.schedule = down_ctx.schedule
         self.uk = micro_kernel(down_ctx, FLOAT)
         g = self.graph
+        up_conv = pair.up.op_type == "Conv"
         self.x_shape = g.tensors[pair.up.inputs[0]].shape
-        self.mid_shape = g.tensors[pair.up.outputs[0]].shape  # (N, O1, H1, W1)
+        # (N, O1, H1, W1): the NCHW intermediate, the conv's side of a pair with a product
+        self.mid_shape = g.tensors[(pair.up.outputs if up_conv else pair.down.inputs)[0]].shape
         self.out_shape = g.tensors[pair.down.outputs[0]].shape
         self.w1 = g.tensors[pair.up.inputs[1]].shape
-        self.up_window = _geometry(pair.up, g)[0]
-        self.down_window = _geometry(pair.down, g)[0]
+        self.up_window = _geometry(pair.up, g)[0] if up_conv else None
+        self.down_window = _geometry(pair.down, g)[0] if pair.down.op_type == "Conv" else None
         self.form = upstream_form(pair.up, g)
         self.budget = self.schedule.intensive_tile_bytes // 4  # floats
 
@@ -522,8 +622,150 @@ def _interior(w: Window, d: int) -> tuple[int, int]:
     return lo, max(lo, min(w.out_size[d], hi))
 
 
+# --- a conv and a matrix product across a transposition -----------------------------------------
+def _lcm(a: int, b: int) -> int:
+    return a * b // math.gcd(a, b)
+
+
+def _cross_sizes(pair: Pair, graph: Graph) -> tuple[int, int, int, int]:
+    """(images, channels, pixels, K1) of a pair of a conv and a product: the NCHW side's shape
+    and the upstream op's sum length per output element."""
+    conv_side = pair.up.outputs[0] if pair.layout == CONV_TO_ROWS else pair.down.inputs[0]
+    n_img, channels, height, width = graph.tensors[conv_side].shape
+    k1 = (math.prod(graph.tensors[pair.up.inputs[1]].shape[1:]) if pair.layout == CONV_TO_ROWS
+          else intensive_rows.row_product(pair.up, graph, False).k)
+    return n_img, channels, height * width, k1
+
+
+def cross_tile_pixels(pair: Pair, graph: Graph, tile_bytes: int, mr: int, nr: int) -> int:
+    """Pixels per tile of a conv ↔ product pair: whole micro-kernel panels on both sides (`mr`
+    rows of the product, `nr` columns of the conv's GEMM), as many as the budget holds, two tiles
+    per image at least. Per pixel a tile holds every channel twice (the conv's sums and the
+    product's panels) or, from a product, its packed input row and every channel."""
+    _, channels, pixels, k1 = _cross_sizes(pair, graph)
+    unit = _lcm(mr, nr)
+    per_pixel = (-(-channels // mr) * mr + channels if pair.layout == CONV_TO_ROWS
+                 else k1 + channels)
+    fitting = max(unit, (tile_bytes // 4 // per_pixel) // unit * unit)
+    return min(fitting, max(unit, -(-(-(-pixels // 2)) // unit) * unit))
+
+
+def _cross_fits(pair: Pair, graph: Graph, tile_bytes: int, mr: int, nr: int) -> bool:
+    _, channels, pixels, k1 = _cross_sizes(pair, graph)
+    unit = _lcm(mr, nr)
+    per_pixel = (-(-channels // mr) * mr + channels if pair.layout == CONV_TO_ROWS
+                 else k1 + channels)
+    return pixels >= unit and unit * per_pixel * 4 <= tile_bytes
+
+
+def _conv_to_rows(down_ctx: StageCtx, up_ctx: StageCtx, pair: Pair) -> None:
+    """Per tile of one image's pixels: the conv's GEMM for every channel × the tile's pixels
+    (channel-major sums), its bias and the ops between applied while the sums are transposed
+    into the product's A panels (pixels × channels), then the product over them."""
+    conv, rows = _PairLowering(down_ctx, up_ctx, pair), intensive_rows.RowPairLowering(
+        down_ctx, up_ctx, pair)
+    ctx, uk, graph = down_ctx, conv.uk, down_ctx.graph
+    n_img, channels, pixels, _ = _cross_sizes(pair, graph)
+    tm = cross_tile_pixels(pair, graph, ctx.schedule.intensive_tile_bytes, uk.mr, uk.nr)
+    tiles, o1p = -(-pixels // tm), -(-channels // uk.mr) * uk.mr
+    task = ctx.var("p", n_img * tiles)
+    img, tile = Index((n_img, tiles), flat=task).dims
+    p0 = mul(tile, tm)
+    valid = imin(iconst(tm), sub(iconst(pixels), p0))
+    row_panels = floordiv(add(valid, uk.mr - 1), uk.mr)
+    sums, mid, ct = ctx.name("sums"), ctx.name("mid"), ctx.name("ct")
+    spec = conv.up_spec()
+    a, b = conv.up_operands(spec)
+    body: list[ir.Stmt] = [ir.DeclArray(sums, FLOAT, o1p * tm), ir.DeclArray(mid, FLOAT, tm * channels),
+                           ir.DeclArray(ct, FLOAT, uk.mr * uk.nr),
+                           conv.gemm(a, b, img, iconst(0), iconst(o1p // uk.mr), p0,
+                                     floordiv(add(valid, uk.nr - 1), uk.nr), sums, tm, spec.k)]
+    pp, r, c = ctx.var("ip", tm // uk.mr), ctx.var("r", uk.mr), ctx.var("c", channels)
+    local = imin(add(mul(pp, uk.mr), r), sub(valid, 1))  # rows past the image repeat its last
+    pixel = add(p0, local)
+    total = conv.up_bias(array_load(sums, FLOAT, add(mul(c, tm), local)), c)
+    target = graph.tensors[pair.down.inputs[0]]
+    value = intensive_rows.through_the_ops_between(
+        down_ctx.low, pair.up.outputs[0], total, target.id,
+        Index(target.shape, flat=add(mul(add(mul(img, pixels), pixel), channels), c)))
+    fill = ir.ArrayStore(mid, add(mul(add(mul(pp, channels), c), uk.mr), r), value)
+    body.append(ir.Loop(pp, iconst(0), row_panels, [ir.Loop(r, iconst(0), iconst(uk.mr), [
+        ir.Loop(c, iconst(0), iconst(channels), [fill], simd=True)])]))
+    r0 = add(mul(img, pixels), p0)
+    w2 = rows.weights(ctx, rows.down)
+    body.append(rows.products(mid, channels, w2, rows.down.n, row_panels, ct,
+                              lambda jp, ip: rows.epilogue(r0, jp, ip, ct, add(r0, valid)),
+                              tm // uk.mr))
+    _cross_stage(ctx, pair, task, n_img * tiles, body, tm, uk)
+
+
+def _rows_to_conv(down_ctx: StageCtx, up_ctx: StageCtx, pair: Pair) -> None:
+    """Per tile of one image's pixels: the product's rows (pixels) × every channel through the
+    micro-kernel, its finish and the ops between applied while each register tile is transposed
+    into channel-major sums, then the pointwise conv over them."""
+    conv, rows = _PairLowering(down_ctx, up_ctx, pair), intensive_rows.RowPairLowering(
+        down_ctx, up_ctx, pair)
+    ctx, uk, graph, up = down_ctx, conv.uk, down_ctx.graph, rows.up
+    n_img, channels, pixels, k1 = _cross_sizes(pair, graph)
+    tm = cross_tile_pixels(pair, graph, ctx.schedule.intensive_tile_bytes, uk.mr, uk.nr)
+    tiles = -(-pixels // tm)
+    task = ctx.var("p", n_img * tiles)
+    img, tile = Index((n_img, tiles), flat=task).dims
+    p0 = mul(tile, tm)
+    valid = imin(iconst(tm), sub(iconst(pixels), p0))
+    r0 = add(mul(img, pixels), p0)
+    last = sub(add(mul(img, pixels), pixels), 1)  # rows past the image repeat its last
+    panels = iconst(tm // uk.mr)  # every column of the sums the conv's micro-kernel reads
+    packed, sums, ct = ctx.name("rows"), ctx.name("sums"), ctx.name("ct")
+    body: list[ir.Stmt] = [ir.DeclArray(packed, FLOAT, tm * k1),
+                           ir.DeclArray(sums, FLOAT, channels * tm),
+                           ir.DeclArray(ct, FLOAT, uk.mr * uk.nr),
+                           rows.pack_rows(r0, panels, packed, last, tm // uk.mr)]
+    target = graph.tensors[pair.down.inputs[0]]
+
+    def fill(jp: Expr, ip: Expr) -> list[ir.Stmt]:
+        r, cc = ctx.var("r", uk.mr), ctx.var("c", uk.nr)
+        local = add(mul(ip, uk.mr), r)
+        pixel = imin(add(p0, local), iconst(pixels - 1))
+        j = add(mul(jp, uk.nr), cc)
+        if math.prod(up.batch) == n_img and up.m == pixels:
+            b, i = (img if up.batch else iconst(0)), pixel
+        else:
+            b, i = rows.row(up, add(mul(img, pixels), pixel))
+        total = up.finish(array_load(ct, FLOAT, add(mul(r, uk.nr), cc)), b, i, j)
+        value = intensive_rows.through_the_ops_between(
+            ctx.low, pair.up.outputs[0], total, target.id,
+            Index(target.shape, flat=add(mul(add(mul(img, channels), j), pixels), pixel)))
+        cols = imin(iconst(uk.nr), sub(iconst(channels), mul(jp, uk.nr)))
+        return [ir.Loop(r, iconst(0), iconst(uk.mr), [ir.Loop(cc, iconst(0), cols, [
+            ir.ArrayStore(sums, add(mul(j, tm), local), value)], simd=True)])]
+
+    body.append(rows.products(packed, k1, rows.weights(up_ctx, up), channels, panels, ct, fill,
+                              tm // uk.mr))
+    body += conv.pointwise_down(img, p0, valid, sums, tm, channels, conv.out_shape[1])
+    _cross_stage(ctx, pair, task, n_img * tiles, body, tm, uk)
+
+
+def _cross_stage(ctx: StageCtx, pair: Pair, task: Expr, tasks: int, body: list[ir.Stmt], tm: int,
+                 uk) -> None:
+    graph = ctx.graph
+    work = sum(graph.tensors[op.outputs[0]].numel * graph.tensors[op.inputs[0]].shape[-1]
+               for op in (pair.up, pair.down))
+    ctx.stage(f"intensive fusion ({pair.up.id} → {pair.down.id}), {pair.category}, {pair.layout}: "
+              f"tiles of {tm} pixels", [ir.Loop(task, iconst(0), iconst(tasks), body, parallel=1,
+                                                grain="one")], work)
+    ctx.info.update(form=f"intensive {pair.category}", upstream=pair.layout, tile_pixels=tm,
+                    micro_kernel=f"{uk.mr}x{uk.nr}")
+
+
 def lower_pair(down_ctx: StageCtx, up_ctx: StageCtx, pair: Pair) -> None:
     """Emit the fused stage of `pair` (whose tile `fits`)."""
+    if pair.layout in (CONV_TO_ROWS, ROWS_TO_CONV):
+        (_conv_to_rows if pair.layout == CONV_TO_ROWS else _rows_to_conv)(down_ctx, up_ctx, pair)
+        return
+    if pair.rows:
+        intensive_rows.lower_row_pair(down_ctx, up_ctx, pair)
+        return
     pair_lowering = _PairLowering(down_ctx, up_ctx, pair)
     if pair.category == DEPTHWISE:
         pair_lowering.depthwise_pair()
@@ -541,6 +783,10 @@ def fits(pair: Pair, graph: Graph, tile_bytes: int, mr: int, nr: int) -> bool:
     """Whether the pair's smallest tile fits `tile_bytes` (decided before lowering, so that a
     pair that cannot be fused is lowered as two stages), and a matrix-product upstream op has at
     least one micro-kernel panel of pixels (below that the panel is mostly padding)."""
+    if pair.layout in (CONV_TO_ROWS, ROWS_TO_CONV):
+        return _cross_fits(pair, graph, tile_bytes, mr, nr)
+    if pair.rows:
+        return intensive_rows.fits(pair, graph, tile_bytes, mr)
     n_img, channels, height, width = graph.tensors[pair.up.outputs[0]].shape
     budget = tile_bytes // 4
     gemm = upstream_form(pair.up, graph) == "gemm"

@@ -333,11 +333,18 @@ class BlockLowering:
         found = intensive.find_pairs(self.graph, self.ops, self.must_store,
                                      set(self.graph.outputs))
         return {down: pair for down, pair in found.items()
-                if intensive.fits(pair, self.graph, self.schedule.intensive_tile_bytes, *uk)}
+                if (down, pair.up.outputs[0]) not in self.refused
+                and intensive.fits(pair, self.graph, self.schedule.intensive_tile_bytes, *uk)}
 
     def _intensive(self, pair: intensive.Pair) -> None:
+        """The pair's fused stage; if the ops between cannot be computed from the tile at the
+        element it holds (`NotFusable`), the pair is refused and the block lowered again with two
+        stages."""
         ctx = StageCtx(self, pair.down, self._epilogue_candidates(pair.down))
-        intensive.lower_pair(ctx, StageCtx(self, pair.up, {}), pair)
+        try:
+            intensive.lower_pair(ctx, StageCtx(self, pair.up, {}), pair)
+        except NotFusable:
+            raise Refused(pair.down.id, pair.up.outputs[0]) from None
         ctx.attach_info()
         self.assigned |= {t for t in pair.down.outputs if t in self.must_store}
         self._mark_ready()

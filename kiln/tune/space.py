@@ -11,7 +11,9 @@ block; measuring is not). Which genes are offered depends on the block's stages:
   output tile of the unpacked (`ikj`) path;
 * direct convolutions (depthwise): output-channel block and row tile, and the algorithm switch
   (implicit GEMM or direct loops);
-* conv pairs fused by AGO's intensive fusion: on or off, and the tile's byte budget;
+* pairs fused by AGO's intensive fusion (conv pairs, matrix-product pairs): on or off, and the
+  tile's byte budget (larger tiles pay for matrix-product pairs, whose weights stream through
+  the cache once per tile);
 * every block: when a stage goes parallel and how many iterations its parallel loop collapses,
   and loop splitting (the memory-bound stages' only knobs).
 
@@ -75,7 +77,8 @@ def genes(target: Target) -> tuple[Gene, ...]:
         Gene("parallel_min_iterations", ({}, *({"parallel_min_iterations": v} for v in (8, 16, 256)))),
         Gene("split_loops", ({}, {"split_loops": False})),
         Gene("intensive", ({}, {"intensive_fusion": False},
-                           *({"intensive_tile_bytes": v} for v in (1 << 15, 1 << 16, 1 << 17)))),
+                           *({"intensive_tile_bytes": v}
+                             for v in (1 << 15, 1 << 16, 1 << 17, 1 << 19, 1 << 20)))),
     )
 
 

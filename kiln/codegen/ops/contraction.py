@@ -27,13 +27,19 @@ def _identity_finish(total: Expr, b: Expr, i: Expr, j: Expr) -> Expr:
     return total
 
 
-@stage("MatMul")
-def _matmul(ctx: StageCtx) -> None:
-    a_shape, b_shape = ctx.tensor(0).shape, ctx.tensor(1).shape
+def matmul_dims(a_shape: tuple[int, ...], b_shape: tuple[int, ...]
+                ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """MatMul's operands as stacks of matrices (a 1-D operand gains its unit dim) and the batch
+    shape they broadcast to."""
     a2 = (1, *a_shape) if len(a_shape) == 1 else a_shape
     b2 = (*b_shape, 1) if len(b_shape) == 1 else b_shape
+    return a2, b2, tuple(np.broadcast_shapes(a2[:-2], b2[:-2]))
+
+
+def matmul_spec(ctx: StageCtx) -> Contraction:
+    a_shape, b_shape = ctx.tensor(0).shape, ctx.tensor(1).shape
+    a2, b2, batch = matmul_dims(a_shape, b_shape)
     m, k, n = a2[-2], a2[-1], b2[-1]
-    batch = tuple(np.broadcast_shapes(a2[:-2], b2[:-2]))
     out_shape = ctx.out().shape
 
     def a_at(bi: Index, i: Expr, kk: Expr) -> Expr:
@@ -45,12 +51,11 @@ def _matmul(ctx: StageCtx) -> None:
     def out(b: Expr, i: Expr, j: Expr) -> Index:
         return Index(out_shape, flat=add(mul(add(mul(b, m), i), n), j))
 
-    contraction(ctx, Contraction(batch, m, n, k, a2[:-2], b2[:-2], a_at, b_at, out,
-                                 _identity_finish, ctx.out().dtype))
+    return Contraction(batch, m, n, k, a2[:-2], b2[:-2], a_at, b_at, out, _identity_finish,
+                       ctx.out().dtype)
 
 
-@stage("Gemm")
-def _gemm(ctx: StageCtx) -> None:
+def gemm_spec(ctx: StageCtx) -> Contraction:
     a_shape, b_shape = ctx.tensor(0).shape, ctx.tensor(1).shape
     trans_a, trans_b = ctx.attr("transA", 0), ctx.attr("transB", 0)
     m, k = (a_shape[1], a_shape[0]) if trans_a else a_shape
@@ -74,7 +79,20 @@ def _gemm(ctx: StageCtx) -> None:
             result = binary("add", result, c if beta == 1 else binary("mul", const(beta, dtype), c))
         return result
 
-    contraction(ctx, Contraction((), m, n, k, (), (), a_at, b_at, out, finish, dtype))
+    return Contraction((), m, n, k, (), (), a_at, b_at, out, finish, dtype)
+
+
+MATRIX_SPECS = {"MatMul": matmul_spec, "Gemm": gemm_spec}  # the contractions of two matrices
+
+
+@stage("MatMul")
+def _matmul(ctx: StageCtx) -> None:
+    contraction(ctx, matmul_spec(ctx))
+
+
+@stage("Gemm")
+def _gemm(ctx: StageCtx) -> None:
+    contraction(ctx, gemm_spec(ctx))
 
 
 def einsum_terms(equation: str, shapes: list[tuple[int, ...]]) -> tuple[list[str], str]:
