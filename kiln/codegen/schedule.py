@@ -66,6 +66,11 @@ class Schedule:
     # stitched kernel agree on how work is split: a thread reads back from scratch the rows it
     # wrote itself, from its own L1/L2, as a GPU thread block reads its shared memory.
     stitch_blocks: int = 0
+    # 0: the blocks are Row blocks (above). C > 0: a Column schedule (`kiln.codegen.columns`):
+    # the C columns (the contiguous inner elements from the schedule's split_dim on) are cut into
+    # `stitch_blocks` contiguous chunks, and every stage that can runs its rows inside its
+    # thread's chunk, vectorised along the columns.
+    stitch_columns: int = 0
 
     def merged(self, overrides: Mapping[str, Any] | None) -> Schedule:
         if not overrides:
