@@ -72,6 +72,13 @@ class Schedule:
     # thread's chunk, vectorised along the columns.
     stitch_columns: int = 0
 
+    @property
+    def stitch_type(self) -> str:
+        """FusionStitching's sched_type this kernel runs with: "row", "column" or "none"."""
+        if self.stitch_blocks <= 0:
+            return "none"
+        return "column" if self.stitch_columns > 0 else "row"
+
     def merged(self, overrides: Mapping[str, Any] | None) -> Schedule:
         if not overrides:
             return self

@@ -31,13 +31,19 @@ order, fusions are convex and the plan acyclic (a path between two ops of one fu
 through layers the fusion visited, where a given-up op would have stopped the upstream one; a
 path through another fusion starts at a producer whose user is in that fusion, refused by 1).
 
-**Schedules** (§4): each fusion's satisfiable Row partitions are ranked by the performance
-library (`stitch_tuning.PerformanceLibrary.tune`); the best becomes the block's
-`Schedule.stitch_blocks` (`FusionPlan.schedules`) when the fusion stitches a reduction, the rest
-of the shortlist goes to the tuner (`FusionPlan.schedule_candidates`), which measures them into
-the library. The CPU code generator runs each stage's parallel loop over the row-major order, so
-it realises Row partitions; Column schedules are part of the space and its propagation but are
-not chosen.
+**Schedules** (§4): while a fusion grows, its satisfiable Row partitions decide condition 3
+(the paper's always-valid space, §4.3). Once it is complete, every satisfiable Row and Column
+partition of it is ranked by the performance library (`stitch_tuning.PerformanceLibrary.tune`:
+measurements when the library has them all, else the cost model, in which a column reduction run
+by rows pays for its strided reads); the best becomes the block's `Schedule.stitch_blocks`, with
+`Schedule.stitch_columns` for a Column one (`FusionPlan.schedules`), when the fusion stitches a
+reduction; the rest of the shortlist goes to the tuner (`FusionPlan.schedule_candidates`), which
+measures them into the library. Code generation realises both: a Row schedule splits each
+stage's parallel loop into the same static row chunks; a Column schedule cuts the inner dims
+from split_dim on into contiguous column chunks, and every stage runs its rows inside its
+thread's chunk, vectorised along the columns (`kiln.codegen.columns`): the schedule of a
+BatchNorm-style statistics fusion over N·H·W, a ReduceSum over axis 0 or a column Softmax. Each
+kernel's `schedule.stitch_type` in plan.json says which one it got.
 
 **GPU shared memory → CPU cache.** A GPU thread block stitches ops through shared memory: on-chip,
 private to the block, tens of KiB. Kiln's counterpart is a kernel's scratch area: a stitched
@@ -62,8 +68,8 @@ from kiln.ops import Pattern, op_info
 from kiln.placement import place
 from kiln.plan import Decision, FusionPlan, register_partitioner
 from kiln.plan.blocks import build_plan
-from kiln.plan.stitch_schedule import ROW, Resolved, resolve, root_keys, satisfiable
-from kiln.plan.stitch_tuning import STITCH_KEY, UNSTITCHED, PerformanceLibrary
+from kiln.plan.stitch_schedule import COLUMN, ROW, Resolved, resolve, root_keys, satisfiable
+from kiln.plan.stitch_tuning import UNSTITCHED, PerformanceLibrary
 from kiln.profile import ProfileStore
 
 
@@ -298,11 +304,12 @@ class _Stitching:
             if not _stitches_reduction(self.graph, fusion.members):
                 continue
             block = plan.block_of[next(iter(fusion.members))]
-            resolved = self.row_partitions(fusion.members)
+            resolved = satisfiable(self.graph, fusion.members, self.constraints.max_blocks,
+                                   (ROW, COLUMN), self.trivial)
             ranked = self.library.tune(fusion.members, resolved)
             if not ranked:
                 continue
-            overrides = [{STITCH_KEY: c.blocks} for c in ranked]
+            overrides = [c.overrides(explicit=ranked[0].columns > 0) for c in ranked]
             if ranked[0].blocks != UNSTITCHED:
                 chosen[block] = overrides[0]
             candidates[block] = tuple(overrides[1:])
