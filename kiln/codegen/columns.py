@@ -63,7 +63,8 @@ def column_chunks(schedule: Schedule) -> ColumnChunks | None:
     """The schedule's column chunks, or None for a Row (or unstitched) schedule."""
     if schedule.stitch_blocks <= 0 or schedule.stitch_columns <= 0:
         return None
-    return ColumnChunks(schedule.stitch_columns, min(schedule.stitch_blocks, schedule.stitch_columns))
+    columns = schedule.stitch_columns
+    return ColumnChunks(columns, min(schedule.stitch_blocks, columns))
 
 
 def chunk_nest(names: Callable[[str], str], chunks: ColumnChunks, tile: int,
@@ -226,5 +227,6 @@ class _Expansion:
         if isinstance(stmt, ir.ArrayStore) and stmt.name in self.kept:
             name, _ = self.kept[stmt.name]
             row = self.expr(stmt.index)
-            return ir.ArrayStore(name, add(mul(row, self.width), self.offset), self.expr(stmt.value))
+            return ir.ArrayStore(name, add(mul(row, self.width), self.offset),
+                                 self.expr(stmt.value))
         return None

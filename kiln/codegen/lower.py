@@ -196,9 +196,10 @@ class RowStage:
         if row_stores:
             body.append(ir.Loop(r, iconst(0), iconst(self.view.reduced), row_stores, simd=True))
         chunks = column_chunks(low.schedule)
-        loop = (column_row_stage(low.names, chunks, self.view, self.o, body) if chunks else None
-                ) or ir.Loop(self.o, iconst(0), iconst(self.view.outer), body, parallel=1,
-                             grain="chunks")
+        loop = column_row_stage(low.names, chunks, self.view, self.o, body) if chunks else None
+        if loop is None:
+            loop = ir.Loop(self.o, iconst(0), iconst(self.view.outer), body, parallel=1,
+                           grain="chunks")
         kinds = "+".join(dict.fromkeys(op.op_type for op in self.ops))
         work = self.view.outer * self.view.reduced * (self.phases + 1)
         low.add_stage(f"row stage: {kinds} ({', '.join(op.id for op in self.ops)})", [loop], work)
