@@ -1,14 +1,14 @@
-"""Kernel-level times of FusionStitching's Column schedule against the Row realisation of one
-column-reduction fusion: statistics over the rows of an [R, C] tensor (mean, variance) and the
-normalised tensor, a Softmax over the rows and a ReduceMax of it — one stitched kernel.
+"""Kernel-level times of FusionStitching's Column schedule against the Row realisation of a
+column-reduction fusion: statistics over the rows of an [R, C] tensor (mean, variance), the
+normalised tensor, a Softmax over the rows and a ReduceMax of it (the plan's stitched kernels).
 
 Variants of the same fusionstitching plan's kernels (the same blocks, only the schedule differs;
-the sum over the plan's kernels is timed): `column` — as planned (`stitch_columns`: contiguous column chunks per thread, rows inside);
-`row blocks` — `stitch_blocks` = threads with no columns: every stage's loop over the columns in
-static Row chunks, each column reduced by a strided walk down the rows; `unstitched` — each
-stage's own dynamic chunks. They are compiled into one library and called in one process,
-interleaved round by round (the order rotating), at 1 and 2 OpenMP threads
-(`omp_set_num_threads` between calls); the medians over rounds are printed with ratios.
+the sum over the plan's kernels is timed): `column` — as planned (`stitch_columns`: contiguous
+column chunks per thread, rows inside); `row blocks` — `stitch_blocks` = threads with no columns:
+every stage's loop over the columns in static Row chunks, each column reduced by a strided walk
+down the rows; `unstitched` — each stage's own dynamic chunks. They are compiled into one library
+and called in one process, interleaved round by round (the order rotating), at 1 and 2 OpenMP
+threads (`omp_set_num_threads` between calls); the medians over rounds are printed with ratios.
 
     python bench/column_schedules.py [--rows 256] [--columns 768] [--rounds 7] [--runs 20]
 """
@@ -73,7 +73,8 @@ def compile_library(sources: list[str], folder: Path) -> ctypes.CDLL:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", type=int, default=256)  # z (R·C floats) within the 1 MiB scratch budget
+    # z (R·C floats) within the 1 MiB scratch budget, so that the fusion is not cut there
+    parser.add_argument("--rows", type=int, default=256)
     parser.add_argument("--columns", type=int, default=768)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--runs", type=int, default=20)
