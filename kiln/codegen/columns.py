@@ -67,19 +67,36 @@ def column_chunks(schedule: Schedule) -> ColumnChunks | None:
     return ColumnChunks(columns, min(schedule.stitch_blocks, columns))
 
 
-def chunk_nest(names: Callable[[str], str], chunks: ColumnChunks, tile: int,
-               inner: Callable[[Expr, Expr, Expr], list[ir.Stmt]]) -> ir.Loop:
-    """The parallel loop over chunks and the tiles of each; `inner(c, lo, hi)` gives the body of
-    one tile, whose columns are [lo, hi) and whose column variable is c (declared over all C)."""
-    tile = max(1, min(tile, chunks.width))
-    tiles = -(-chunks.width // tile)
+@dataclass(frozen=True)
+class Tile:
+    """One tile of a chunk: chunk k, tile j of it (of at most `width` columns), its columns
+    [lo, hi) and their variable c (declared over all C columns)."""
+
+    k: Expr
+    j: Expr
+    tiles: int
+    width: int
+    c: Expr
+    lo: Expr
+    hi: Expr
+
+
+def tile_of(names: Callable[[str], str], chunks: ColumnChunks, width: int) -> Tile:
+    """The tiles of at most `width` columns of every chunk."""
+    width = max(1, min(width, chunks.width))
+    tiles = -(-chunks.width // width)
     k, j = var(names("k"), chunks.blocks), var(names("j"), tiles)
     start = mul(k, chunks.width)
-    lo = add(start, mul(j, tile))
-    hi = imin(add(lo, tile), imin(add(start, chunks.width), iconst(chunks.columns)))
-    c = var(names("c"), chunks.columns)
-    tile_loop = ir.Loop(j, iconst(0), iconst(tiles), inner(c, lo, hi))
-    return ir.Loop(k, iconst(0), iconst(chunks.blocks), [tile_loop], parallel=1,
+    lo = add(start, mul(j, width))
+    hi = imin(add(lo, width), imin(add(start, chunks.width), iconst(chunks.columns)))
+    return Tile(k, j, tiles, width, var(names("c"), chunks.columns), lo, hi)
+
+
+def chunk_nest(chunks: ColumnChunks, tile: Tile, body: list[ir.Stmt]) -> ir.Loop:
+    """The parallel loop over the chunks (static: chunk k to thread k mod T) and the loop over
+    each one's tiles around `body`, one tile's work."""
+    tile_loop = ir.Loop(tile.j, iconst(0), iconst(tile.tiles), body)
+    return ir.Loop(tile.k, iconst(0), iconst(chunks.blocks), [tile_loop], parallel=1,
                    grain="blocks", blocks=chunks.blocks)
 
 
@@ -96,13 +113,10 @@ def column_elementwise(names: Callable[[str], str], chunks: ColumnChunks, numel:
     if numel < chunks.columns or numel % chunks.columns:
         return None
     rows = numel // chunks.columns
-
-    def tile(c: Expr, lo: Expr, hi: Expr) -> list[ir.Stmt]:
-        r = var(names("r"), rows)
-        body = [columns_loop(c, lo, hi, stores_at(add(mul(r, chunks.columns), c)))]
-        return [ir.Loop(r, iconst(0), iconst(rows), body)]
-
-    return chunk_nest(names, chunks, COLUMN_TILE, tile)
+    tile = tile_of(names, chunks, COLUMN_TILE)
+    r = var(names("r"), rows)
+    across = columns_loop(tile.c, tile.lo, tile.hi, stores_at(add(mul(r, chunks.columns), tile.c)))
+    return chunk_nest(chunks, tile, [ir.Loop(r, iconst(0), iconst(rows), [across])])
 
 
 # --- row stages that reduce over outer dims ------------------------------------------------------
@@ -127,31 +141,23 @@ def column_row_stage(names: Callable[[str], str], chunks: ColumnChunks, view: Ro
     if batch is None:
         return None
     kept = sum(stmt.size for stmt in body if isinstance(stmt, ir.DeclArray))
-    tile = COLUMN_TILE if not kept else max(1, min(COLUMN_TILE, KEPT_ELEMENTS // kept))
-    width = max(1, min(tile, chunks.width))
-    failed: list[bool] = []
-
-    def tile_body(c: Expr, lo: Expr, hi: Expr) -> list[ir.Stmt]:
-        p = var(names("p"), batch)
-        expanded = _Expansion(names, c, lo, hi, width, {o: add(mul(p, chunks.columns), c)})
-        stmts = expanded.statements(body)
-        if stmts is None:
-            failed.append(True)
-            return []
-        return [ir.Loop(p, iconst(0), iconst(batch), stmts)]
-
-    loop = chunk_nest(names, chunks, tile, tile_body)
-    return None if failed else loop
+    width = COLUMN_TILE if not kept else max(1, min(COLUMN_TILE, KEPT_ELEMENTS // kept))
+    tile = tile_of(names, chunks, width)
+    p = var(names("p"), batch)
+    expansion = _Expansion(names, tile, {o: add(mul(p, chunks.columns), tile.c)})
+    stmts = expansion.statements(body)
+    if stmts is None:
+        return None
+    return chunk_nest(chunks, tile, [ir.Loop(p, iconst(0), iconst(batch), stmts)])
 
 
 class _Expansion:
     """Loop distribution of a row body over its statements, the column loop interchanged into
     each, with scalar expansion of what one statement leaves for the next (see the module)."""
 
-    def __init__(self, names: Callable[[str], str], c: Expr, lo: Expr, hi: Expr, width: int,
-                 mapping: dict[Expr, Expr]):
-        self.names, self.c, self.lo, self.hi, self.width = names, c, lo, hi, width
-        self.offset = sub(c, lo)
+    def __init__(self, names: Callable[[str], str], tile: Tile, mapping: dict[Expr, Expr]):
+        self.names, self.tile, self.width = names, tile, tile.width
+        self.offset = sub(tile.c, tile.lo)
         self.mapping = dict(mapping)
         self.arrays: dict[Expr, str] = {}  # accumulator -> its array over the tile
         self.kept: dict[str, tuple[str, int]] = {}  # a row's kept values -> (array, rows)
@@ -180,7 +186,7 @@ class _Expansion:
         return name, self.mapping[scalar]
 
     def across(self, stmts: list[ir.Stmt]) -> ir.Loop:
-        return columns_loop(self.c, self.lo, self.hi, stmts)
+        return columns_loop(self.tile.c, self.tile.lo, self.tile.hi, stmts)
 
     def statements(self, body: list[ir.Stmt]) -> list[ir.Stmt] | None:
         out: list[ir.Stmt] = []

@@ -105,6 +105,7 @@ def test_column_schedules_of_nhwc_statistics_and_batched_columns_match_onnxrunti
     _column_kernel_matches((2, 3, 5, 19), [0, 1, 2], 1, 2)  # N·H·W statistics of NHWC
     _column_kernel_matches((3, 7, 50), [1], 1, 4)  # a batch of 3 column problems
     _column_kernel_matches((4, 600), [0], 0, 2)  # chunks wider than a tile
+    _column_kernel_matches((300, 200), [0], 0, 2)  # the Softmax's kept rows narrow the tiles
 
 
 def test_column_schedule_runs_rows_inside_contiguous_column_chunks():
