@@ -35,9 +35,19 @@ def fusion_report(graph: Graph, plan: FusionPlan, seconds: dict[str, float],
         "refusals": dict(sorted(refusals.items())),
         "seconds": {stage: round(s, 4) for stage, s in seconds.items()},
         "blocks": [{"id": b.id, "name": b.name, "ops": len(b.op_ids), "mapping": b.mapping.label,
-                    "anchor": b.anchor} for b in plan.blocks],
+                    "anchor": b.anchor} | _planned_schedule(plan, b.id) for b in plan.blocks],
         "graph": plan_graph(plan),
     } | plan_stages(plan)
+
+
+def _planned_schedule(plan: FusionPlan, block: str) -> dict[str, Any]:
+    """The schedule overrides the partitioner chose for a block (FusionStitching: its blocks and
+    sched_type), or nothing."""
+    chosen = plan.schedules.get(block)
+    if not chosen:
+        return {}
+    return {"schedule": dict(chosen) | ({"sched_type": "column" if chosen.get("stitch_columns")
+                                         else "row"} if "stitch_blocks" in chosen else {})}
 
 
 def plan_stages(plan: FusionPlan) -> dict[str, Any]:

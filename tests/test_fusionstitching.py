@@ -25,8 +25,9 @@ from kiln.plan.stitch_schedule import (
     transpose_rule,
     with_partition,
 )
-from kiln.plan.stitch_tuning import STITCH_KEY, PerformanceLibrary, imbalance
+from kiln.plan.stitch_tuning import COLUMNS_KEY, STITCH_KEY, PerformanceLibrary, imbalance
 from kiln.profile import COST_MODEL, MEASURED, Estimate
+from kiln.report import fusion_report
 from tests.graphs import ecg
 from tests.test_plan import RandomLatencies, random_dags
 
@@ -324,3 +325,66 @@ def test_empty_tensors_get_no_schedule_of_zero_blocks():
     assert with_partition((3, 0), (ROW, 0)) is None
     graph = ecg([("Relu", ["x"], ["y"])], {"x": (3, 0), "y": (3, 0)}, ["x"], ["y"])
     assert [r.blocks for r in satisfiable(graph, {"op0"}, 64)] == [1, 3]
+
+
+# --- Column schedules ----------------------------------------------------------------------
+
+def _column_norm_graph(rows=64, columns=96):
+    """Statistics over axis 0 (the rows) and the normalised tensor: column reductions."""
+    shapes_ = {"x": (rows, columns), "m": (1, columns), "d": (rows, columns),
+               "q": (rows, columns), "v": (1, columns), "y": (rows, columns), "ax": (1,)}
+    return ecg([("ReduceMean", ["x", "ax"], ["m"]), ("Sub", ["x", "m"], ["d"]),
+                ("Mul", ["d", "d"], ["q"]), ("ReduceMean", ["q", "ax"], ["v"]),
+                ("Div", ["d", "v"], ["y"])],
+               shapes_, ["x"], ["y"], {"ax": np.array([0], dtype=np.int64)})
+
+
+def test_a_column_reduction_passes_column_schedules_only_even_on_a_fusion_input():
+    graph = _column_norm_graph()
+    everything = {op.id for op in graph.ops}
+    keys = {r.key for r in satisfiable(graph, everything, 256)}
+    assert (COLUMN, 96) in keys and (COLUMN, 2) in keys
+    assert {b for kind, b in keys if kind is ROW} == {1}  # a Row split would cut the reduced rows
+    # The first ReduceMean reads x from outside the fusion: its own rule still holds.
+    alone = {r.key for r in satisfiable(graph, {"op0"}, 256)}
+    assert {b for kind, b in alone if kind is ROW} == {1} and (COLUMN, 96) in alone
+
+
+def test_column_reduction_fusion_gets_a_column_schedule_and_a_row_one_gets_row():
+    graph = _column_norm_graph()
+    plan = FusionStitching(Constraints(threads=2))(graph, _Library([]))
+    assert len(plan.blocks) == 1
+    block = plan.blocks[0].id
+    assert plan.schedules[block] == {STITCH_KEY: 2, COLUMNS_KEY: 96}  # a chunk of 48 per thread
+    assert {STITCH_KEY: 0, COLUMNS_KEY: 0} in plan.schedule_candidates[block]
+    report = fusion_report(graph, plan, {}, len(graph.ops))
+    assert report["blocks"][0]["schedule"]["sched_type"] == "column"
+    rows = FusionStitching(Constraints(threads=2))(_attention_like_graph(), _Library([]))
+    assert all(COLUMNS_KEY not in s for s in rows.schedules.values())
+
+
+def test_measured_row_and_column_schedules_rank_against_each_other():
+    graph = _column_norm_graph()
+    everything = {op.id for op in graph.ops}
+    resolved = satisfiable(graph, everything, 256)
+    library = PerformanceLibrary(graph, _Library([]), threads=2, shortlist=2)
+    modelled = library.tune(everything, resolved)
+    assert [(c.sched_type, c.blocks) for c in modelled] == [("column", 2), ("column", 4),
+                                                             ("none", 0)]
+
+    class _Measured(_Library):
+        def schedules(self, graph, op_ids):
+            return [({STITCH_KEY: 2, COLUMNS_KEY: 96, "threads": 2}, 5e-6),
+                    ({STITCH_KEY: 4, COLUMNS_KEY: 96, "threads": 2}, 3e-6),
+                    ({STITCH_KEY: 0, COLUMNS_KEY: 96, "threads": 2}, 1e-6)]
+
+    measured = PerformanceLibrary(graph, _Measured([]), threads=2, shortlist=2)
+    assert [c.key for c in measured.tune(everything, resolved)] == [(0, 0), (4, 96), (2, 96)]
+
+
+def test_narrow_column_chunks_rank_behind_the_unstitched_kernel():
+    graph = _column_norm_graph(columns=7)  # 7 blocks of one column each: no vector lanes filled
+    everything = {op.id for op in graph.ops}
+    ranked = PerformanceLibrary(graph, _Library([]), threads=2, shortlist=2).tune(
+        everything, satisfiable(graph, everything, 256))
+    assert [(c.sched_type, c.blocks) for c in ranked] == [("none", 0), ("column", 7)]

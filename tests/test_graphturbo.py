@@ -19,6 +19,7 @@ from kiln.plan.graphturbo import (
     factors,
     instance_graph,
     instance_order,
+    overlapping,
     peak_bytes,
     split_info,
 )
@@ -246,3 +247,13 @@ def test_empty_tensors_plan_as_one_instance():
                 {"x": (0, 4), "h": (0, 4), "y": (0, 4)}, ["x"], ["y"])
     plan = GraphTurbo(SMALL)(graph, RandomLatencies(0))  # empty outputs divided nothing by zero
     assert all(s.instances == 1 for s in plan.stages.values())
+
+
+@settings(max_examples=200, deadline=None)
+@given(parts_j=st.integers(1, 60), parts_k=st.integers(1, 60), data=st.data())
+def test_overlapping_shares_are_exactly_those_whose_ranges_intersect(parts_j, parts_k, data):
+    j = data.draw(st.integers(0, parts_j - 1))
+    # Share j of parts_j covers [j/parts_j, (j+1)/parts_j) of the extent; likewise share k.
+    want = [k for k in range(parts_k)
+            if max(j / parts_j, k / parts_k) < min((j + 1) / parts_j, (k + 1) / parts_k)]
+    assert list(overlapping(j, parts_j, parts_k)) == want

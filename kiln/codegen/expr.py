@@ -378,6 +378,8 @@ def modulo(x: Expr, c: int) -> Expr:
 
 def imin(a: Expr, b: Expr | int) -> Expr:
     b = iconst(b) if isinstance(b, int) else b
+    if a is b:
+        return a
     if a.range[1] <= b.range[0]:
         return a
     if b.range[1] <= a.range[0]:
@@ -387,6 +389,8 @@ def imin(a: Expr, b: Expr | int) -> Expr:
 
 def imax(a: Expr, b: Expr | int) -> Expr:
     b = iconst(b) if isinstance(b, int) else b
+    if a is b:
+        return a
     if a.range[0] >= b.range[1]:
         return a
     if b.range[0] >= a.range[1]:

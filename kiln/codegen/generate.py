@@ -107,7 +107,7 @@ def _kernel(graph: Graph, block: Block, index: int, target: Target, backend: Bac
     source = renderer.kernel(lowered.kernel, f"Kiln kernel {symbol} (block {block.id}, "
                                              f"target {target.name})")
     record = {"target": target.name, "arch": target.arch, **schedule.as_dict(),
-              "stages": lowered.stage_info}
+              "stitch_type": schedule.stitch_type, "stages": lowered.stage_info}
     return Kernel(symbol=symbol, block_id=block.id, source=source,
                   args=tuple(lowered.inputs + lowered.outputs), outputs=tuple(lowered.outputs),
                   derived_constants=lowered.derived, schedule=record,

@@ -50,6 +50,7 @@ from kiln.codegen.contexts import (
 from kiln.codegen.epilogue import Path, find_path, forward_index
 from kiln.codegen.expr import Expr, const, iconst, load, local, var, walk
 from kiln.codegen import intensive
+from kiln.codegen.columns import column_chunks, column_elementwise, column_row_stage
 from kiln.codegen.indexing import Index
 from kiln.codegen.ops import fused_attention as attention
 from kiln.codegen.ops import lowering
@@ -194,8 +195,11 @@ class RowStage:
         body = self.body + row_stmts
         if row_stores:
             body.append(ir.Loop(r, iconst(0), iconst(self.view.reduced), row_stores, simd=True))
-        loop = ir.Loop(self.o, iconst(0), iconst(self.view.outer), body, parallel=1,
-                       grain="chunks")
+        chunks = column_chunks(low.schedule)
+        loop = column_row_stage(low.names, chunks, self.view, self.o, body) if chunks else None
+        if loop is None:
+            loop = ir.Loop(self.o, iconst(0), iconst(self.view.outer), body, parallel=1,
+                           grain="chunks")
         kinds = "+".join(dict.fromkeys(op.op_type for op in self.ops))
         work = self.view.outer * self.view.reduced * (self.phases + 1)
         low.add_stage(f"row stage: {kinds} ({', '.join(op.id for op in self.ops)})", [loop], work)
@@ -385,11 +389,17 @@ class BlockLowering:
         if numel == 0:
             self._mark_ready()
             return
-        i = var(self.names("i"), numel)
         builder = Builder(self)
-        stores = [ir.Store(t, i, builder.value(t, Index(shape, flat=i))) for t in tensors]
-        loop = ir.Loop(i, iconst(0), iconst(numel), stores, parallel=1, simd=True,
-                       grain="chunks")
+
+        def stores_at(i: Expr) -> list[ir.Stmt]:
+            return [ir.Store(t, i, builder.value(t, Index(shape, flat=i))) for t in tensors]
+
+        chunks = column_chunks(self.schedule)
+        loop = column_elementwise(self.names, chunks, numel, stores_at) if chunks else None
+        if loop is None:
+            i = var(self.names("i"), numel)
+            loop = ir.Loop(i, iconst(0), iconst(numel), stores_at(i), parallel=1, simd=True,
+                           grain="chunks")
         self.add_stage(f"elementwise: {', '.join(tensors)}", [loop], numel)
         self._mark_ready()
 

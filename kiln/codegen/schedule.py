@@ -76,6 +76,18 @@ class Schedule:
     # A GPU backend fills both (and the register tile) from its target's `DeviceLimits`.
     gemm_work_group: int = 0
     gemm_local_bytes: int = 0
+    # 0: the blocks are Row blocks (above). C > 0: a Column schedule (`kiln.codegen.columns`):
+    # the C columns (the contiguous inner elements from the schedule's split_dim on) are cut into
+    # `stitch_blocks` contiguous chunks, and every stage that can runs its rows inside its
+    # thread's chunk, vectorised along the columns.
+    stitch_columns: int = 0
+
+    @property
+    def stitch_type(self) -> str:
+        """FusionStitching's sched_type this kernel runs with: "row", "column" or "none"."""
+        if self.stitch_blocks <= 0:
+            return "none"
+        return "column" if self.stitch_columns > 0 else "row"
 
     def merged(self, overrides: Mapping[str, Any] | None) -> Schedule:
         if not overrides:

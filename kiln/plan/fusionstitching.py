@@ -19,8 +19,8 @@ Algorithm 1 up to the roof, the next LC-layer above: layer by layer, an op joins
 2. one of its users is in the fusion (producer/consumer fusion only; same-layer ops are
    ElementwiseFusion's);
 3. the fusion with it still has an optimized schedule: a propagated schedule
-   (`stitch_schedule`) with as many blocks, up to one per thread, as the fusion had without it;
-   reshapes and transposes of at most `trivial_bytes` are bypassed as §4.3 allows, composed
+   (`stitch_schedule`, Row or Column) with as many blocks, up to one per thread, as the fusion
+   had without it; reshapes and transposes of at most `trivial_bytes` are bypassed as §4.3 allows, composed
    into their consumers' loops; its stitched intermediates fit the scratch budget (§5.1.2's feedback); at most `max_ops` ops;
    and the performance library predicts the fused kernel no slower than the fusion and the op
    apart (`stitch_tuning.faster_fused`).
@@ -31,13 +31,20 @@ order, fusions are convex and the plan acyclic (a path between two ops of one fu
 through layers the fusion visited, where a given-up op would have stopped the upstream one; a
 path through another fusion starts at a producer whose user is in that fusion, refused by 1).
 
-**Schedules** (§4): each fusion's satisfiable Row partitions are ranked by the performance
-library (`stitch_tuning.PerformanceLibrary.tune`); the best becomes the block's
-`Schedule.stitch_blocks` (`FusionPlan.schedules`) when the fusion stitches a reduction, the rest
-of the shortlist goes to the tuner (`FusionPlan.schedule_candidates`), which measures them into
-the library. The CPU code generator runs each stage's parallel loop over the row-major order, so
-it realises Row partitions; Column schedules are part of the space and its propagation but are
-not chosen.
+**Schedules** (§4): while a fusion grows, its satisfiable partitions, Row and Column, decide
+condition 3 (a statistics fusion over the rows keeps its parallelism only by columns). Once it is
+complete, every satisfiable Row and Column partition of it is ranked by the performance library
+(`stitch_tuning.PerformanceLibrary.tune`: measurements when the library has them all, else the
+cost model, in which a column reduction run by rows pays for its strided reads); the best becomes
+the block's `Schedule.stitch_blocks`, with `Schedule.stitch_columns` for a Column one
+(`FusionPlan.schedules`), when the fusion stitches a reduction; the rest of the shortlist goes to
+the tuner (`FusionPlan.schedule_candidates`), which measures them into the library. Code
+generation realises both: a Row schedule splits each stage's parallel loop into the same static
+row chunks; a Column schedule cuts the inner dims from split_dim on into contiguous column chunks,
+and every stage runs its rows inside its thread's chunk, vectorised along the columns
+(`kiln.codegen.columns`): the schedule of a BatchNorm-style statistics fusion over N·H·W, a
+ReduceSum over axis 0 or a column Softmax. Each kernel's `schedule.stitch_type` in plan.json says
+which one it got.
 
 **GPU shared memory → CPU cache.** A GPU thread block stitches ops through shared memory: on-chip,
 private to the block, tens of KiB. Kiln's counterpart is a kernel's scratch area: a stitched
@@ -62,9 +69,11 @@ from kiln.ops import Pattern, op_info
 from kiln.placement import place
 from kiln.plan import Decision, FusionPlan, register_partitioner
 from kiln.plan.blocks import build_plan
-from kiln.plan.stitch_schedule import ROW, Resolved, resolve, root_keys, satisfiable
-from kiln.plan.stitch_tuning import STITCH_KEY, UNSTITCHED, PerformanceLibrary
+from kiln.plan.stitch_schedule import COLUMN, ROW, Resolved, resolve, root_keys, satisfiable
+from kiln.plan.stitch_tuning import UNSTITCHED, PerformanceLibrary
 from kiln.profile import ProfileStore
+
+KINDS = (ROW, COLUMN)  # the sched_types a fusion may run with
 
 
 @dataclass(frozen=True)
@@ -119,7 +128,7 @@ class FusionStitching:
 @dataclass
 class _Fusion:
     members: set[str]
-    resolved: list[Resolved] = field(default_factory=list)  # its satisfiable Row partitions
+    resolved: list[Resolved] = field(default_factory=list)  # its satisfiable partitions
 
 
 class _Stitching:
@@ -162,7 +171,7 @@ class _Stitching:
             host = open_by_shape.get(shape) if _is_elementwise(op) else None
             if host is not None and self.joins_horizontally(host, op):
                 continue
-            fusion = _Fusion({op.id}, self.row_partitions({op.id}))
+            fusion = _Fusion({op.id}, self.partitions({op.id}))
             roots.append(fusion)
             if _is_elementwise(op):
                 open_by_shape[shape] = fusion
@@ -174,8 +183,8 @@ class _Stitching:
         ops = [self.graph.op_by_id[i] for i in members]
         if len(members) > c.elementwise_outputs or sum(o.bytes for o in ops) > c.elementwise_bytes:
             return False
-        resolved = self.row_partitions(members)
-        alone = self.row_partitions({op.id})
+        resolved = self.partitions(members)
+        alone = self.partitions({op.id})
         if self.parallelism(resolved) < min(self.parallelism(host.resolved), self.parallelism(alone)):
             return False
         if not self.library.faster_fused((members, resolved), [(host.members, host.resolved),
@@ -238,10 +247,10 @@ class _Stitching:
         if scratch > c.scratch_bytes:
             return f"constraint: stitched intermediates need {scratch} bytes of scratch"
         wanted = self.parallelism(fusion.resolved)
-        resolved = self.row_partitions(members, at_least=wanted)
+        resolved = self.partitions(members, at_least=wanted)
         if self.parallelism(resolved) < wanted:
             return f"schedule: no schedule of {wanted} blocks agrees"
-        alone = self.row_partitions({hlo.id})
+        alone = self.partitions({hlo.id})
         if not self.library.faster_fused((members, resolved),
                                          [(fusion.members, fusion.resolved), ({hlo.id}, alone)]):
             return "slower fused"
@@ -249,15 +258,16 @@ class _Stitching:
         return None
 
     # --- schedules ------------------------------------------------------------------------
-    def row_partitions(self, members: set[str], at_least: int = 1) -> list[Resolved]:
-        """The fusion's satisfiable Row partitions. With `at_least` > 1 only whether one of at
-        least that many blocks exists matters: the search stops at the first (fewest blocks)."""
+    def partitions(self, members: set[str], at_least: int = 1) -> list[Resolved]:
+        """The fusion's satisfiable Row and Column partitions. With `at_least` > 1 only whether
+        one of at least that many blocks exists matters: the search stops at the first (fewest
+        blocks)."""
         if at_least <= 1:
-            return satisfiable(self.graph, members, self.constraints.max_blocks, (ROW,),
+            return satisfiable(self.graph, members, self.constraints.max_blocks, KINDS,
                                self.trivial)
-        keys = sorted(k for k in root_keys(self.graph, members, self.constraints.max_blocks, (ROW,))
-                      if k[1] >= at_least)
-        for key in sorted(keys, key=lambda k: k[1]):
+        keys = [k for k in root_keys(self.graph, members, self.constraints.max_blocks, KINDS)
+                if k[1] >= at_least]
+        for key in sorted(keys, key=lambda k: (k[1], k[0].value)):
             found = resolve(self.graph, members, key, self.trivial)
             if found is not None:
                 return [found]
@@ -298,11 +308,11 @@ class _Stitching:
             if not _stitches_reduction(self.graph, fusion.members):
                 continue
             block = plan.block_of[next(iter(fusion.members))]
-            resolved = self.row_partitions(fusion.members)
+            resolved = self.partitions(fusion.members)
             ranked = self.library.tune(fusion.members, resolved)
             if not ranked:
                 continue
-            overrides = [{STITCH_KEY: c.blocks} for c in ranked]
+            overrides = [c.overrides(explicit=ranked[0].columns > 0) for c in ranked]
             if ranked[0].blocks != UNSTITCHED:
                 chosen[block] = overrides[0]
             candidates[block] = tuple(overrides[1:])

@@ -491,9 +491,15 @@ def instance_graph(plan: FusionPlan, stages: dict[str, StagePlan]) -> dict[Insta
                    for p in graph.predecessors(graph.op_by_id[i])} - {block.id}
         for j in range(n):
             producers[(block.id, j)] = {(b, k) for b in feeding
-                                        for k in range(stages[b].instances)
-                                        if _overlaps(k, stages[b].instances, j, n)}
+                                        for k in overlapping(j, n, stages[b].instances)}
     return producers
+
+
+def overlapping(j: int, parts_j: int, parts_k: int) -> range:
+    """The shares k of `parts_k` that overlap share j of `parts_j` of one extent, the overlap
+    condition k·parts_j < (j+1)·parts_k and j·parts_k < (k+1)·parts_j solved for k (a stage of
+    many instances then costs its edges, not the product of two stages' instances)."""
+    return range(j * parts_k // parts_j, -(-(j + 1) * parts_k // parts_j))
 
 
 def instance_order(producers: dict[Instance, set[Instance]], depth_first: bool) -> list[Instance]:
@@ -514,11 +520,6 @@ def instance_order(producers: dict[Instance, set[Instance]], depth_first: bool) 
             if indegree[c] == 0:
                 ready.append(c)
     return order
-
-
-def _overlaps(k: int, parts_k: int, j: int, parts_j: int) -> bool:
-    """Do share k of `parts_k` and share j of `parts_j` of one extent overlap?"""
-    return k * parts_j < (j + 1) * parts_k and j * parts_k < (k + 1) * parts_j
 
 
 def live_instance_bytes(producers: dict[Instance, set[Instance]], share: dict[str, int],

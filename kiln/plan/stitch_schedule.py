@@ -8,7 +8,10 @@ output, `blocks = ∏ shape[:split_dim] · sword`. A Column schedule makes the d
 the parts the blocks: `blocks = sword · ∏ shape[split_dim+1:]`, each block a strided set of
 columns. On a GPU a block is a thread block (CTA); on a CPU it is one chunk of a stage's parallel
 loop, and code generation (`Schedule.stitch_blocks`) deals chunk k of every stage of a stitched
-kernel to the same thread.
+kernel to the same thread. A Row chunk is a range of rows; a Column one (`Schedule.stitch_columns`
+= `column_extent`, the elements from split_dim on) a contiguous range of those columns, with the
+rows looped inside it (`kiln.codegen.columns`): the CPU's blocks group adjacent columns where the
+GPU's stride, so that a thread's inner loop reads contiguous, vectorisable memory.
 
 Two schedules of one tensor agree when they cut it into the same blocks: for a Row schedule that
 is the number of blocks alone (equal contiguous chunks), for a Column schedule too (the block
@@ -34,6 +37,9 @@ input produced inside the fusion must have, by the op's record:
   renumbered when the reduction drops them;
 * anything else (slices, concatenations, gathers, tiles read unaligned data; library calls are
   never inside a fusion): only the one-block schedule passes.
+
+A reduction reading a tensor from outside the fusion constrains its own schedule all the same
+(§4.2: all reduced dims in one block), so a Row split of a column reduction does not pass.
 
 A tensor read by several ops of the fusion must be asked for one partition by all of them; a
 conflict makes the root schedule unsatisfiable. `satisfiable` runs the paper's two-stage search
@@ -127,6 +133,15 @@ def with_partition(shape: Shape, key: tuple[SchedType, int]) -> StitchSchedule |
     return None
 
 
+def column_extent(shape: Shape, key: tuple[SchedType, int]) -> int:
+    """The columns a Column partition of `shape` splits (the elements from its split_dim on), or
+    0 for a Row partition."""
+    schedule = with_partition(shape, key)
+    if key[0] is not COLUMN or schedule is None or schedule.sched_type is not COLUMN:
+        return 0
+    return math.prod(_dims(shape)[schedule.split_dim:])
+
+
 # --- Table 1: one op's output schedule -> its input's ------------------------------------------
 
 def input_schedule(graph: Graph, op: Op, position: int,
@@ -148,13 +163,18 @@ def input_schedule(graph: Graph, op: Op, position: int,
         return reshape_rule(out_shape, in_shape, out) if position == 0 else None
     if op.mapping == MappingType.SHUFFLE:
         return transpose_rule(_perm(op, len(in_shape)), out) if position == 0 else None
-    if op.mapping == MappingType.MANY_TO_MANY and info.row_locality not in (
-            RowLocality.NONE, RowLocality.MATRIX_ROWS):
+    if reduces(op):
         reduced = reduced_dims(graph, op)
         if position != 0 or reduced is None:
             return None
         return reduce_rule(in_shape, out_shape, reduced, out)
     return None
+
+
+def reduces(op: Op) -> bool:
+    """A row-local reduction or normalisation: every block must hold all its reduced dims."""
+    return op.mapping == MappingType.MANY_TO_MANY and op_info(op.op_type).row_locality not in (
+        RowLocality.NONE, RowLocality.MATRIX_ROWS)
 
 
 def broadcasts_to(in_shape: Shape, out_shape: Shape) -> bool:
@@ -272,6 +292,8 @@ def propagate(graph: Graph, members: set[str], roots: dict[str, StitchSchedule],
         for position, tensor in enumerate(op.inputs):
             producer = graph.producer(tensor) if tensor else None
             if producer is None or producer.id not in members:
+                if position == 0 and reduces(op) and input_schedule(graph, op, 0, out) is None:
+                    return None  # its own reduced dims would be split, whoever produced them
                 continue
             asked = input_schedule(graph, op, position, out)
             if asked is None and bypass is not None and bypass(op):

@@ -3,14 +3,25 @@ static blocks (`Schedule.stitch_blocks`), and a kernel's scratch intermediates s
 liveness; results against onnxruntime."""
 from __future__ import annotations
 
+import math
 import re
 
+import numpy as np
+from hypothesis import given, settings, strategies as st
 from onnx import helper
 
 from kiln import frontend
 from kiln.codegen import generate
 from kiln.target import host_target
-from tests.codegen.harness import assert_matches, model, plan_for, random_inputs, reference, run_graph
+from tests.codegen.harness import (
+    assert_matches,
+    model,
+    plan_for,
+    random_inputs,
+    reference,
+    run_graph,
+    run_kernels,
+)
 
 SPEC = {"x": ((8, 64, 64), "float32")}
 
@@ -47,3 +58,66 @@ def test_without_stitch_blocks_stages_keep_their_dynamic_chunks():
     kernel = generate(plan, host_target(), block_schedules={plan.blocks[0].id: {"stitch_blocks": 0}})[0]
     pragmas = [line for line in kernel.source.splitlines() if "omp parallel" in line]
     assert pragmas and all("schedule(dynamic" in p for p in pragmas)
+
+
+# --- Column schedules ----------------------------------------------------------------------
+
+def _column_statistics(shape, axes, softmax_axis):
+    """BatchNorm-style statistics over `axes` (outer dims), the normalised tensor, a Softmax over
+    an outer axis and a ReduceMax of it: every reduction leaves the inner columns whole."""
+    nodes = [helper.make_node("ReduceMean", ["x", "axes"], ["mean"], keepdims=1),
+             helper.make_node("Sub", ["x", "mean"], ["d"]),
+             helper.make_node("Mul", ["d", "d"], ["q"]),
+             helper.make_node("ReduceMean", ["q", "axes"], ["var"], keepdims=1),
+             helper.make_node("Add", ["var", "eps"], ["ve"]),
+             helper.make_node("Sqrt", ["ve"], ["sd"]),
+             helper.make_node("Div", ["d", "sd"], ["y"]),
+             helper.make_node("Softmax", ["y"], ["z"], axis=softmax_axis),
+             helper.make_node("ReduceMax", ["z", "axes"], ["top"], keepdims=0),
+             helper.make_node("ReduceSum", ["x", "axes"], ["total"], keepdims=0)]
+    initializers = {"axes": np.array(axes, dtype=np.int64), "eps": np.float32(1e-5)}
+    return model(nodes, {"x": (shape, "float32")}, ["z", "top", "total"], initializers, opset=18)
+
+
+def _column_kernel_matches(shape, axes, softmax_axis, blocks, seed=0):
+    onnx_model = _column_statistics(shape, axes, softmax_axis)
+    graph = frontend.build(onnx_model, {}, "test")
+    plan = plan_for(graph, "fusionstitching")
+    columns = math.prod(shape[max(axes) + 1:])
+    forced = {b.id: {"stitch_blocks": blocks, "stitch_columns": columns} for b in plan.blocks}
+    kernels = generate(plan, host_target(), block_schedules=forced)
+    inputs = random_inputs({"x": (shape, "float32")}, seed)
+    values = run_kernels(plan, kernels, dict(zip(graph.inputs, inputs.values())))
+    assert_matches([values[t] for t in graph.outputs], reference(onnx_model, inputs))
+    return kernels
+
+
+@settings(max_examples=12, deadline=None)
+@given(rows=st.integers(1, 40), columns=st.integers(1, 300), blocks=st.integers(1, 7),
+       seed=st.integers(0, 100))
+def test_column_schedules_of_column_reductions_match_onnxruntime(rows, columns, blocks, seed):
+    # Columns that do not divide by the blocks (37 by 2, 7 by 4, ...) and more blocks than
+    # columns included.
+    _column_kernel_matches((rows, columns), [0], 0, blocks, seed)
+
+
+def test_column_schedules_of_nhwc_statistics_and_batched_columns_match_onnxruntime():
+    _column_kernel_matches((2, 3, 5, 19), [0, 1, 2], 1, 2)  # N·H·W statistics of NHWC
+    _column_kernel_matches((3, 7, 50), [1], 1, 4)  # a batch of 3 column problems
+    _column_kernel_matches((4, 600), [0], 0, 2)  # chunks wider than a tile
+    _column_kernel_matches((300, 200), [0], 0, 2)  # the Softmax's kept rows narrow the tiles
+
+
+def test_column_schedule_runs_rows_inside_contiguous_column_chunks():
+    kernels = _column_kernel_matches((64, 300), [0], 0, 3)
+    source = "\n".join(k.source for k in kernels)
+    assert all(k.schedule["stitch_type"] == "column" for k in kernels)
+    # Every stage: a parallel loop over the 3 chunks, one each, dealt statically.
+    chunk_loops = re.findall(r"#pragma omp parallel for schedule\(static, 1\)\n\s*for \(int64_t "
+                             r"(k\d+) = 0; \1 < 3;", source)
+    assert len(chunk_loops) == source.count("#pragma omp parallel")
+    # The column loop is the vectorised inner loop, over a range that starts at the chunk's.
+    assert re.search(r"#pragma omp simd\n\s*for \(int64_t c\d+ = \(k\d+ \* 100\);", source)
+    # No column reduction is left as a strided walk down a column (a loop over the rows reading
+    # x[r * 300 + o] with o the parallel index).
+    assert not re.search(r"parallel for.*\n\s*for \(int64_t o\d+", source)
