@@ -70,17 +70,17 @@ class Schedule:
     # stitched kernel agree on how work is split: a thread reads back from scratch the rows it
     # wrote itself, from its own L1/L2, as a GPU thread block reads its shared memory.
     stitch_blocks: int = 0
+    # 0: the blocks are Row blocks (above). C > 0: a Column schedule (`kiln.codegen.columns`):
+    # the C columns (the contiguous inner elements from the schedule's split_dim on) are cut into
+    # `stitch_blocks` contiguous chunks, and every stage that can runs its rows inside its
+    # thread's chunk, vectorised along the columns.
+    stitch_columns: int = 0
     # Work-group tiling of GEMMs on GPUs (`kiln.codegen.gemm.group`): 0 leaves it off (CPUs); n > 0:
     # every packed GEMM runs in work-groups of at most n work-items, which stage slices of A and
     # B in at most `gemm_local_bytes` of local memory, each work-item a register tile of them.
     # A GPU backend fills both (and the register tile) from its target's `DeviceLimits`.
     gemm_work_group: int = 0
     gemm_local_bytes: int = 0
-    # 0: the blocks are Row blocks (above). C > 0: a Column schedule (`kiln.codegen.columns`):
-    # the C columns (the contiguous inner elements from the schedule's split_dim on) are cut into
-    # `stitch_blocks` contiguous chunks, and every stage that can runs its rows inside its
-    # thread's chunk, vectorised along the columns.
-    stitch_columns: int = 0
 
     @property
     def stitch_type(self) -> str:
