@@ -190,3 +190,22 @@ def random_inputs(spec: Mapping[str, tuple[tuple[int, ...], str]],
         else:
             out[name] = rng.integers(-20 if kind == "i" else 0, 20, size=shape).astype(dtype)
     return out
+
+
+def intensive_stages(kernels: Sequence[Kernel]) -> list[dict]:
+    """The stages AGO's intensive fusion generated, as the kernels' schedules record them."""
+    return [s for k in kernels for s in k.schedule["stages"] if "intensive" in str(s.get("form"))]
+
+
+def check_ago_tiles(onnx_model: onnx.ModelProto, x: np.ndarray,
+                    tile_bytes: int) -> tuple[Graph, FusionPlan, list[Kernel]]:
+    """Plans `onnx_model` (one input) with ago, every block's intensive tile capped at
+    `tile_bytes`, and checks the kernels' outputs against onnxruntime's."""
+    want = reference(onnx_model, {"x": x})
+    graph = frontend.build(onnx_model, {}, "test")
+    plan = plan_for(graph, "ago")
+    overrides = {b.id: {"intensive_tile_bytes": tile_bytes} for b in plan.blocks}
+    kernels = generate(plan, host_target(), block_schedules=overrides)
+    values = run_kernels(plan, kernels, {graph.inputs[0]: x})
+    assert_matches([values[t] for t in graph.outputs], want, "[ago]")
+    return graph, plan, kernels

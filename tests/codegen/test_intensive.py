@@ -11,7 +11,15 @@ from kiln.codegen import generate
 from kiln.codegen.intensive import DEPTHWISE, POINTWISE, category
 from kiln.plan import partitioner
 from kiln.target import host_target
-from tests.codegen.harness import assert_matches, model, plan_for, reference, run_kernels, store
+from tests.codegen.harness import (
+    assert_matches,
+    check_ago_tiles,
+    intensive_stages,
+    model,
+    reference,
+    run_kernels,
+    store,
+)
 
 ACTIVATIONS = ("none", "relu6", "silu")
 
@@ -86,28 +94,18 @@ def pairs(draw):
     return model(nodes, {"x": ((n, cin, h, w), "float32")}, [out], inits), (n, cin, h, w), down
 
 
-def _intensive_stages(kernels) -> list[dict]:
-    return [s for k in kernels for s in k.schedule["stages"] if "intensive" in str(s.get("form"))]
-
-
 @settings(max_examples=25, deadline=None)
 @given(case=pairs(), tile_bytes=st.sampled_from([1 << 12, 1 << 18]))
 def test_intensive_pairs_match_onnxruntime(case, tile_bytes):
     onnx_model, shape, down = case
     x = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
-    want = reference(onnx_model, {"x": x})
-    graph = frontend.build(onnx_model, {}, "test")
-    plan = plan_for(graph, "ago")
-    overrides = {b.id: {"intensive_tile_bytes": tile_bytes} for b in plan.blocks}
-    kernels = generate(plan, host_target(), block_schedules=overrides)
-    values = run_kernels(plan, kernels, {graph.inputs[0]: x})
-    assert_matches([values[t] for t in graph.outputs], want, "[ago]")
+    graph, plan, kernels = check_ago_tiles(onnx_model, x, tile_bytes)
     convs = [op for op in graph.ops if op.op_type == "Conv"]
     mid = graph.tensors[convs[0].outputs[0]]
     weights = [graph.tensors[op.inputs[1]].numel for op in convs]
     wide = mid.shape[2] * mid.shape[3] >= 32  # a micro-kernel panel of pixels, on any ISA
     if tile_bytes == 1 << 18 and mid.shape[1] > 1 and min(weights) > 1 and wide:  # any tile fits
-        stages = _intensive_stages(kernels)
+        stages = intensive_stages(kernels)
         assert stages and stages[0]["form"] == f"intensive {down}"
 
 
@@ -137,11 +135,11 @@ def test_the_intermediate_never_reaches_memory_and_turning_it_off_keeps_results(
     x_value = np.random.default_rng(2).standard_normal((1, 8, 16, 16)).astype(np.float32)
     want = reference(m, {"x": x_value})
     fused = generate(plan, host_target())
-    assert [s["form"] for s in _intensive_stages(fused)] == ["intensive depthwise"]
+    assert [s["form"] for s in intensive_stages(fused)] == ["intensive depthwise"]
     # 24 × 16 × 16 floats would be 24 KiB of scratch; the tiles live on the stack instead
     assert fused[0].scratch_bytes < 24 * 16 * 16 * 4
     off = generate(plan, host_target(), block_schedules={plan.blocks[0].id: {"intensive_fusion": False}})
-    assert not _intensive_stages(off)
+    assert not intensive_stages(off)
     for kernels in (fused, off):
         values = run_kernels(plan, kernels, {graph.inputs[0]: x_value})
         assert_matches([values[t] for t in graph.outputs], want)

@@ -13,7 +13,15 @@ from kiln.codegen import generate
 from kiln.codegen.intensive import CONV_TO_ROWS, POINTWISE, find_pairs
 from kiln.codegen.microkernel import tile_for
 from kiln.target import host_target
-from tests.codegen.harness import assert_matches, model, plan_for, reference, run_kernels
+from tests.codegen.harness import (
+    assert_matches,
+    check_ago_tiles,
+    intensive_stages,
+    model,
+    plan_for,
+    reference,
+    run_kernels,
+)
 
 BETWEEN = ("none", "bias", "relu", "gelu", "residual", "reshape")
 
@@ -95,22 +103,12 @@ def row_pairs(draw):
     return model(nodes, {"x": (shape, "float32")}, [second], inits), shape
 
 
-def _intensive(kernels) -> list[dict]:
-    return [s for k in kernels for s in k.schedule["stages"] if "intensive" in str(s.get("form"))]
-
-
 @settings(max_examples=40, deadline=None)
 @given(case=row_pairs(), tile_bytes=st.sampled_from([1 << 11, 1 << 18]))
 def test_matmul_pairs_match_onnxruntime(case, tile_bytes):
     onnx_model, shape = case
     x = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
-    want = reference(onnx_model, {"x": x})
-    graph = frontend.build(onnx_model, {}, "test")
-    plan = plan_for(graph, "ago")
-    overrides = {b.id: {"intensive_tile_bytes": tile_bytes} for b in plan.blocks}
-    kernels = generate(plan, host_target(), block_schedules=overrides)
-    values = run_kernels(plan, kernels, {graph.inputs[0]: x})
-    assert_matches([values[t] for t in graph.outputs], want, "[ago]")
+    graph, plan, kernels = check_ago_tiles(onnx_model, x, tile_bytes)
     products = [op for op in graph.ops if op.op_type in ("MatMul", "Gemm")]
     rows = int(np.prod(shape[:-1]))
     mr = tile_for(host_target().isa, "float32").mr
@@ -118,7 +116,7 @@ def test_matmul_pairs_match_onnxruntime(case, tile_bytes):
     if len(products) == 2 and len(plan.blocks) == 1 and rows >= mr and min(weights) > 1:
         up = graph.tensors[products[0].inputs[0]].shape[-1] + graph.tensors[products[0].outputs[0]].shape[-1]
         if tile_bytes == 1 << 18 and mr * up * 4 <= tile_bytes:
-            assert [s["form"] for s in _intensive(kernels)] == [f"intensive {POINTWISE}"]
+            assert [s["form"] for s in intensive_stages(kernels)] == [f"intensive {POINTWISE}"]
 
 
 def _ffn(batch: int, seq: int, hidden: int, inner: int):
@@ -142,10 +140,10 @@ def test_an_ffn_runs_as_one_stage_without_its_intermediate_and_off_keeps_results
     x = np.random.default_rng(2).standard_normal((2, 24, 32)).astype(np.float32)
     want = reference(m, {"x": x})
     fused = generate(plan, host_target())
-    assert [s["form"] for s in _intensive(fused)] == [f"intensive {POINTWISE}"]
+    assert [s["form"] for s in intensive_stages(fused)] == [f"intensive {POINTWISE}"]
     assert fused[0].scratch_bytes < 2 * 24 * 128 * 4  # the 48 × 128 intermediate is not in memory
     off = generate(plan, host_target(), block_schedules={plan.blocks[0].id: {"intensive_fusion": False}})
-    assert not _intensive(off)
+    assert not intensive_stages(off)
     for kernels in (fused, off):
         values = run_kernels(plan, kernels, {graph.inputs[0]: x})
         assert_matches([values[t] for t in graph.outputs], want)
@@ -156,7 +154,7 @@ def test_a_single_row_product_is_not_fused_and_stays_right():
     graph = frontend.build(m, {}, "t")
     plan = plan_for(graph, "ago")
     kernels = generate(plan, host_target())
-    assert not _intensive(kernels)  # one row: a micro-kernel panel would be mostly padding
+    assert not intensive_stages(kernels)  # one row: a micro-kernel panel would be mostly padding
     x = np.random.default_rng(3).standard_normal((1, 1, 32)).astype(np.float32)
     values = run_kernels(plan, kernels, {graph.inputs[0]: x})
     assert_matches([values[t] for t in graph.outputs], reference(m, {"x": x}))
@@ -243,7 +241,7 @@ def test_conv_and_matmul_pairs_across_a_transposition_match_onnxruntime(case, ti
     if (len(plan.blocks) == 1 and tile_bytes == 1 << 18 and nchw[2] * nchw[3] >= unit
             and min(weights) > 1):
         note(f"{shape} {[n.op_type for n in onnx_model.graph.node]} {nchw} {weights}")
-        assert [s["form"] for s in _intensive(kernels)] == [f"intensive {POINTWISE}"]
+        assert [s["form"] for s in intensive_stages(kernels)] == [f"intensive {POINTWISE}"]
 
 
 def test_the_layouts_a_pair_of_a_conv_and_a_matmul_may_have():
