@@ -77,13 +77,13 @@ from kiln.codegen.gemm.spec import Contraction
 from kiln.codegen.indexing import Index
 from kiln.codegen.microkernel import tile_for
 from kiln.codegen.ops import lowering
+from kiln.codegen.ops.contraction import MATRIX_SPECS
 from kiln.codegen.ops.conv_window import Window, ceildiv, tap_position, valid_taps, window
 from kiln.codegen.schedule import Schedule
 from kiln.ecg import Graph, Op
 from kiln.mapping import MappingType
 
 DEPTHWISE, POINTWISE = "depthwise", "pointwise"
-ROW_PRODUCTS = ("MatMul", "Gemm")
 CHANNELS, ROWS, CONV_TO_ROWS, ROWS_TO_CONV = "channels", "rows", "conv to rows", "rows to conv"
 MAX_TAPS = 49
 FLOAT = "float32"
@@ -201,7 +201,7 @@ def _layout(up: Op, down: Op, between: tuple[Op, ...], graph: Graph) -> str | No
     if not conv_up and not conv_down:
         in_order = np.array_equal(moved, np.arange(mid.numel))
         return ROWS if in_order and intensive_rows.compatible(up, down, graph) else None
-    if conv_up and down.op_type in ROW_PRODUCTS and upstream_form(up, graph) == "gemm":
+    if conv_up and down.op_type in MATRIX_SPECS and upstream_form(up, graph) == "gemm":
         n, c, h, w = mid.shape
         wanted = np.arange(mid.numel).reshape(n, c, h * w).transpose(0, 2, 1).reshape(-1)
         product = intensive_rows.row_product(down, graph, True)
