@@ -90,10 +90,18 @@ def artifact_kernels(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     with zipfile.ZipFile(path) as archive:
         manifest = json.loads(archive.read("manifest.json"))
         plan = json.loads(archive.read("plan.json"))
-    schedules = {k["block"]: k.get("schedule") or {} for k in plan.get("kernels", [])}
+    schedules = {k["block"]: profile_schedule(k.get("schedule") or {})
+                 for k in plan.get("kernels", [])}
     return manifest, [{"symbol": k["symbol"], "block": k["block"],
                        "schedule": canonical_json(schedules.get(k["block"], {}))}
                       for k in manifest["kernels"]]
+
+
+def profile_schedule(record: dict[str, Any]) -> dict[str, Any]:
+    """The part of a kernel's plan.json record that keys its profile entries: the schedule's
+    parameters. Its `stages` describe what those parameters made of the block (derived from the
+    schedule and the signature, and as long as the block is big), so they are left out."""
+    return {name: value for name, value in record.items() if name != "stages"}
 
 
 def stored_artifact_kernels(path: Path, job_id: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:

@@ -260,3 +260,21 @@ def test_profile_job_on_an_agent_device_and_on_the_worker_cpu(farm):
     assert any(name.startswith("worker-") for name in here[0]["devices"])
     device = farm.http.get(f"/v1/devices/{run['result']['device']['id']}").json()
     assert any(t["status"] == "done" for t in device["recent_tasks"])
+
+
+def test_a_profile_key_is_the_kernel_schedule_without_its_stage_descriptions(tmp_path):
+    """A kernel of many stages has a long record in plan.json; the profile key is its schedule,
+    which stays within what the profiling database stores."""
+    from service.profiles.runs import artifact_kernels
+    from service.profiles.tables import MAX_SCHEDULE_CHARS
+
+    stages = [{"stage": f"contraction MatMul (op{i}), packed GEMM", "form": "packed", "kc": 48}
+              for i in range(40)]
+    record = {"target": "host", "arch": "x86_64", "gemm_mc": 96, "stages": stages}
+    path = tmp_path / "a.kiln"
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("manifest.json", json.dumps({"kernels": [{"symbol": "k0", "block": "b0"}]}))
+        archive.writestr("plan.json", json.dumps({"kernels": [{"block": "b0", "schedule": record}]}))
+    _, kernels = artifact_kernels(path)
+    assert json.loads(kernels[0]["schedule"]) == {"target": "host", "arch": "x86_64", "gemm_mc": 96}
+    assert len(kernels[0]["schedule"]) <= MAX_SCHEDULE_CHARS
