@@ -29,11 +29,15 @@ from kiln.target import host_target
 
 ERROR_BYTES = 1024
 # How OpenMP's worker threads wait between parallel regions (one region per kernel), unless the
-# user chose: PASSIVE (sleep at once). libgomp's default spins first, and a spinning worker that
-# the OS deschedules holds every barrier of the run hostage: on a loaded 2-core machine Swin-T
-# (124 kernels) ran in 13–16 s per call with the default, 8 s with GOMP_SPINCOUNT=30000, 1 s with
-# 3000 and 0.13–0.5 s with PASSIVE (`kiln bench`, 15 runs each). The runner sets the same.
-OPENMP_WAIT = {"OMP_WAIT_POLICY": "PASSIVE"}
+# user chose: a short spin (GOMP_SPINCOUNT=1000 pause loops, some tens of microseconds), then
+# sleep. The spin covers the gap between one kernel and the next; sleeping at once (PASSIVE) costs
+# a futex wake per kernel, and after an idle pause each wake on a VM costs far more: MobileNetV2
+# (53 kernels, 2 threads, quiet) ran in 12.0 ms per call after a pause with PASSIVE, 5.5 ms with
+# 1000 spins, 6.1 ms spinning for ever (ACTIVE). A long spin is what hurts on a loaded machine (a
+# spinning worker the OS deschedules holds every barrier hostage): with four busy processes on 2
+# cores MobileNetV2 took 18 ms with PASSIVE, 21 ms with 1000 spins, 37 ms with 3000, and Swin-T
+# 13–16 s per call with libgomp's default 300000. The runner sets the same.
+OPENMP_WAIT = {"GOMP_SPINCOUNT": "1000"}
 USER_WAIT_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
