@@ -4,6 +4,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
+from kiln.codegen.schedule import Schedule
 from kiln.ecg import Graph
 from kiln.plan import FusionPlan
 
@@ -46,8 +47,9 @@ def _planned_schedule(plan: FusionPlan, block: str) -> dict[str, Any]:
     chosen = plan.schedules.get(block)
     if not chosen:
         return {}
-    return {"schedule": dict(chosen) | ({"sched_type": "column" if chosen.get("stitch_columns")
-                                         else "row"} if "stitch_blocks" in chosen else {})}
+    stitched = {"sched_type": Schedule().merged(chosen).stitch_type} if "stitch_blocks" in chosen \
+        else {}
+    return {"schedule": dict(chosen) | stitched}
 
 
 def plan_stages(plan: FusionPlan) -> dict[str, Any]:

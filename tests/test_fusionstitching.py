@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import replace
 
 import numpy as np
 from hypothesis import given, settings, strategies as st
@@ -361,6 +362,15 @@ def test_column_reduction_fusion_gets_a_column_schedule_and_a_row_one_gets_row()
     assert report["blocks"][0]["schedule"]["sched_type"] == "column"
     rows = FusionStitching(Constraints(threads=2))(_attention_like_graph(), _Library([]))
     assert all(COLUMNS_KEY not in s for s in rows.schedules.values())
+
+
+def test_the_report_names_an_unstitched_schedule_as_the_kernel_runs_it():
+    graph = _column_norm_graph()
+    plan = FusionStitching(Constraints(threads=2))(graph, _Library([]))
+    block = plan.blocks[0].id
+    unstitched = replace(plan, schedules={block: {STITCH_KEY: 0, COLUMNS_KEY: 0}})
+    report = fusion_report(graph, unstitched, {}, len(graph.ops))
+    assert report["blocks"][0]["schedule"]["sched_type"] == "none"
 
 
 def test_measured_row_and_column_schedules_rank_against_each_other():
