@@ -1,15 +1,19 @@
 """Recurrent ops: LSTM, GRU, RNN (opaque: always alone in their block).
 
 Per direction: the input projection X·Wᵀ + biases for every time step is one matrix product
-(`kiln.codegen.ops.contraction`: the packed GEMM for float models) into scratch; then a sequential loop over time steps
-runs, per step, a parallel loop of recurrent dot products h·Rᵀ and a parallel elementwise state
-update. The hidden and cell states live in scratch; `sequence_lens` freezes a batch row's state
-past its length and zeroes its outputs there.
+(`kiln.codegen.ops.contraction`: the packed GEMM for float models) into scratch; then a sequential
+loop over time steps runs, per step, one parallel loop over blocks of hidden units that computes
+the block's recurrent sums h·Rᵀ for all gates and then updates the block's states (GRU without
+`linear_before_reset` needs two: its hidden gate sums run over r ⊙ h, complete only after the
+first). The hidden state is double-buffered and the cell state lives in scratch;
+`sequence_lens` freezes a batch row's state past its length and zeroes its outputs there.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import numpy as np
 
 from kiln.codegen import ir
 from kiln.codegen.expr import (
@@ -21,12 +25,15 @@ from kiln.codegen.expr import (
     binary,
     const,
     iconst,
+    imin,
     index_compare,
     load,
     local,
     make,
+    modulo,
     mul,
     select,
+    sub,
 )
 from kiln.codegen.indexing import Index
 from kiln.codegen.contexts import StageCtx
@@ -42,6 +49,9 @@ DEFAULT_ACTIVATIONS = {"LSTM": ["Sigmoid", "Tanh", "Tanh"], "GRU": ["Sigmoid", "
 ACTIVATION_DEFAULTS = {"Affine": (1.0, 0.0), "LeakyRelu": (0.01, 0.0), "ThresholdedRelu": (1.0, 0.0),
                        "ScaledTanh": (1.0, 1.0), "HardSigmoid": (0.2, 0.5), "Elu": (1.0, 0.0)}
 ACTIVATIONS = {"Relu", "Tanh", "Sigmoid", "Softsign", "Softplus", *ACTIVATION_DEFAULTS}
+# A block of hidden units whose recurrent sums fill one cache line per gate: two threads never
+# write the same line of the gate sums, and the state update runs over whole vectors.
+UNIT_BLOCK_BYTES = 64
 
 Activation = Callable[[Expr], Expr]
 
@@ -126,16 +136,6 @@ def _recurrent(ctx: StageCtx) -> None:
         _direction(ctx, r, d, reverse or d == 1, acts[d])
 
 
-def _dot(ctx: StageCtx, dtype: str, extent: int, term: Callable[[Expr], Expr]) -> tuple[list[ir.Stmt], Expr]:
-    total = acc(ctx.name("sum"), dtype)
-    k = ctx.var("k", max(extent, 1))
-    loop = ir.Loop(k, iconst(0), iconst(extent),
-                   [ir.Assign(total, binary("add", total, term(k)))], simd=True,
-                   reductions=(("+", total),))
-    result = local(ctx.name("dot"), dtype)
-    return [ir.DeclAcc(total, const(0, dtype)), loop, ir.Let(result, total)], result
-
-
 def _direction(ctx: StageCtx, r: Recurrence, d: int, backwards: bool,
                acts: list[Activation]) -> None:
     kind, dtype, hidden = r.kind, r.dtype, r.hidden
@@ -174,10 +174,12 @@ def _direction(ctx: StageCtx, r: Recurrence, d: int, backwards: bool,
         store=lambda _, tb, g, value: [ir.Store(xw, add(mul(tb, rows), g), value)]))
     ctx.attach_info()
 
-    # states
-    h_state = ctx.scratch(dtype, r.batch * hidden)
-    c_state = ctx.scratch(dtype, r.batch * hidden) if kind == "LSTM" else None
-    q = ctx.var("q", r.batch * hidden)
+    # states: the hidden state is double-buffered (a step reads all of h while the threads write
+    # their units of the next h), so one step needs one barrier
+    states = r.batch * hidden
+    h_state = ctx.scratch(dtype, 2 * states)
+    c_state = ctx.scratch(dtype, states) if kind == "LSTM" else None
+    q = ctx.var("q", states)
     qb, qj = Index((r.batch, hidden), flat=q).dims
     init = [ir.Store(h_state, q, _initial(ctx, 5, d, qb, qj, dtype))]
     if c_state:
@@ -185,16 +187,27 @@ def _direction(ctx: StageCtx, r: Recurrence, d: int, backwards: bool,
 
     step = ctx.var("step", r.seq)
     t_now = add(mul(step, -1), r.seq - 1) if backwards else step
+    h_in = mul(modulo(step, 2), states)
+    h_out = sub(iconst(states), h_in)
     gates = ctx.scratch(dtype, r.batch * rows)
-    recurrent_rows = 2 * hidden if kind == "GRU" and not lbr else rows
-    step_body = [_gate_loop(ctx, r, d, h_state, gates, recurrent_rows)]
+    ph = _Phases(ctx, r, d, gates)
+
+    def update(b: Expr, j: Expr) -> list[ir.Stmt]:
+        return _update(ctx, r, d, t_now, xw, gates, (h_state, h_in, h_out), c_state, acts,
+                       bool(lbr), b, j)
+
     if kind == "GRU" and not lbr:
-        step_body += _reset_hidden(ctx, r, d, h_state, gates, xw, t_now, acts)
-    step_body.append(_update_loop(ctx, r, d, t_now, xw, gates, h_state, c_state, acts, bool(lbr)))
+        reset = ctx.scratch(dtype, states)
+        step_body = [ph.phase([0, 1], h_state, h_in,
+                              lambda b, j: _reset_hidden(ctx, r, xw, gates, t_now, acts,
+                                                         (h_state, h_in), reset, b, j)),
+                     ph.phase([2], reset, iconst(0), update)]
+    else:
+        step_body = [ph.phase(list(range(GATES[kind])), h_state, h_in, update)]
     time_loop = ir.Loop(step, iconst(0), iconst(r.seq), step_body)
-    final = _final_states(ctx, r, d, h_state, c_state)
+    final = _final_states(ctx, r, d, h_state, (r.seq % 2) * states, c_state)
     ctx.stage(f"{kind} ({ctx.op.id}) direction {d}: recurrence",
-              [ir.Loop(q, iconst(0), iconst(r.batch * hidden), init), time_loop, *final],
+              [ir.Loop(q, iconst(0), iconst(states), init), time_loop, *final],
               r.batch * rows * hidden)
 
 
@@ -210,42 +223,68 @@ def _initial(ctx: StageCtx, position: int, d: int, b: Expr, j: Expr, dtype: str)
     return ctx.operand(position, Index(shape, dims=dims))
 
 
-def _gate_loop(ctx: StageCtx, r: Recurrence, d: int, h_state: str, gates: str,
-               rows: int) -> ir.Loop:
-    """gates[b, g] = Σ_j h[b, j] · R[d, g, j] for the first `rows` gate rows."""
-    dtype, hidden = r.dtype, r.hidden
-    all_rows = GATES[r.kind] * hidden
-    p = ctx.var("p", r.batch * rows)
-    b, g = Index((r.batch, rows), flat=p).dims
-    r_shape = ctx.tensor(2).shape
-    stmts, dot = _dot(ctx, dtype, hidden, lambda j: binary(
-        "mul", load(h_state, dtype, add(mul(b, hidden), j)),
-        ctx.operand(2, Index(r_shape, dims=[iconst(d), g, j]))))
-    stmts.append(ir.Store(gates, add(mul(b, all_rows), g), dot))
-    return ir.Loop(p, iconst(0), iconst(r.batch * rows), stmts,
-                   parallel=1 if r.batch * rows * hidden >= ctx.schedule.parallel_min_work else 0)
+@dataclass
+class _Phases:
+    """A step's parallel loops. Each runs over blocks of hidden units (and batch rows): first the
+    recurrent sums of the block's rows of some gates — all gates of a unit share each load of the
+    state — then a per-unit tail over the block while its sums are still in L1. The blocks are
+    shared out evenly, the same way every step, so a thread reads the same rows of R each step
+    (they stay in its caches as far as they fit) and the tail needs no other thread's sums."""
+
+    ctx: StageCtx
+    r: Recurrence
+    d: int
+    gates: str
+
+    def phase(self, gate_ids: list[int], source: str, source_offset: Expr,
+              tail: Callable[[Expr, Expr], list[ir.Stmt]]) -> ir.Loop:
+        ctx, r = self.ctx, self.r
+        unit = max(1, UNIT_BLOCK_BYTES // np.dtype(r.dtype).itemsize)
+        blocks = -(-r.hidden // unit)
+        p = ctx.var("p", blocks * r.batch)
+        block, b = Index((blocks, r.batch), flat=p).dims
+        first = mul(block, unit)
+        last = imin(add(first, unit), r.hidden)
+        j = ctx.var("j", r.hidden)
+        sums = ir.Loop(j, first, last,
+                       self._sums(gate_ids, source, add(source_offset, mul(b, r.hidden)), b, j))
+        jt = ctx.var("j", r.hidden)
+        work = r.batch * len(gate_ids) * r.hidden * r.hidden
+        return ir.Loop(p, iconst(0), iconst(blocks * r.batch),
+                       [sums, ir.Loop(jt, first, last, tail(b, jt), simd=True)],
+                       parallel=1 if work >= ctx.schedule.parallel_min_work else 0)
+
+    def _sums(self, gate_ids: list[int], source: str, row: Expr, b: Expr,
+              j: Expr) -> list[ir.Stmt]:
+        """gates[b, g·H + j] = Σ_k source[row + k] · R[d, g·H + j, k] for each g in gate_ids."""
+        ctx, r = self.ctx, self.r
+        hidden, dtype = r.hidden, r.dtype
+        totals = [acc(ctx.name("sum"), dtype) for _ in gate_ids]
+        k = ctx.var("k", hidden)
+        state = load(source, dtype, add(row, k))
+        r_shape = ctx.tensor(2).shape
+        body: list[ir.Stmt] = [
+            ir.Assign(total, binary("add", total, binary("mul", state, ctx.operand(
+                2, Index(r_shape, dims=[iconst(self.d), add(j, g * hidden), k])))))
+            for g, total in zip(gate_ids, totals)]
+        loop = ir.Loop(k, iconst(0), iconst(hidden), body, simd=True,
+                       reductions=tuple(("+", total) for total in totals))
+        rows = GATES[r.kind] * hidden
+        return [*(ir.DeclAcc(total, const(0, dtype)) for total in totals), loop,
+                *(ir.Store(self.gates, add(mul(b, rows), j, g * hidden), total)
+                  for g, total in zip(gate_ids, totals))]
 
 
-def _reset_hidden(ctx: StageCtx, r: Recurrence, d: int, h_state: str, gates: str, xw: str,
-                  t: Expr, acts: list[Activation]) -> list[ir.Stmt]:
-    """GRU without linear_before_reset: gates[b, 2H + j] = Σ_k (r_t ⊙ h)[b, k] · Rh[d, j, k]."""
-    dtype, hidden = r.dtype, r.hidden
-    rows = 3 * hidden
-    reset = ctx.scratch(dtype, r.batch * hidden)
-    q = ctx.var("q", r.batch * hidden)
-    b, j = Index((r.batch, hidden), flat=q).dims
-    pre = _preactivation(ctx, r, xw, gates, t, b, add(j, hidden))
-    fill = ir.Loop(q, iconst(0), iconst(r.batch * hidden),
-                   [ir.Store(reset, q, binary("mul", acts[0](pre),
-                                              load(h_state, dtype, q)))])
-    p = ctx.var("p", r.batch * hidden)
-    pb, pj = Index((r.batch, hidden), flat=p).dims
-    r_shape = ctx.tensor(2).shape
-    stmts, dot = _dot(ctx, dtype, hidden, lambda k: binary(
-        "mul", load(reset, dtype, add(mul(pb, hidden), k)),
-        ctx.operand(2, Index(r_shape, dims=[iconst(d), add(pj, 2 * hidden), k]))))
-    stmts.append(ir.Store(gates, add(mul(pb, rows), pj, 2 * hidden), dot))
-    return [fill, ir.Loop(p, iconst(0), iconst(r.batch * hidden), stmts)]
+def _reset_hidden(ctx: StageCtx, r: Recurrence, xw: str, gates: str, t: Expr,
+                  acts: list[Activation], h: tuple[str, Expr], reset: str, b: Expr,
+                  j: Expr) -> list[ir.Stmt]:
+    """GRU without linear_before_reset: reset[b, j] = r_t[b, j] · h[b, j], the vector the hidden
+    gate's recurrent sum runs over."""
+    h_state, h_in = h
+    q = add(mul(b, r.hidden), j)
+    pre = _preactivation(ctx, r, xw, gates, t, b, add(j, r.hidden))
+    return [ir.Store(reset, q, binary("mul", acts[0](pre),
+                                      load(h_state, r.dtype, add(h_in, q))))]
 
 
 def _preactivation(ctx: StageCtx, r: Recurrence, xw: str, gates: str, t: Expr, b: Expr,
@@ -256,15 +295,18 @@ def _preactivation(ctx: StageCtx, r: Recurrence, xw: str, gates: str, t: Expr, b
     return _clipped(ctx, value)
 
 
-def _update_loop(ctx: StageCtx, r: Recurrence, d: int, t: Expr, xw: str, gates: str,
-                 h_state: str, c_state: str | None, acts: list[Activation], lbr: bool) -> ir.Loop:
+def _update(ctx: StageCtx, r: Recurrence, d: int, t: Expr, xw: str, gates: str,
+            h: tuple[str, Expr, Expr], c_state: str | None, acts: list[Activation], lbr: bool,
+            b: Expr, j: Expr) -> list[ir.Stmt]:
+    """The state update of unit j of batch row b: reads h at h_in, writes it at h_out."""
     dtype, hidden = r.dtype, r.hidden
-    q = ctx.var("q", r.batch * hidden)
-    b, j = Index((r.batch, hidden), flat=q).dims
+    h_state, h_in, h_out = h
+    q = add(mul(b, hidden), j)
     h_prev = local(ctx.name("h"), dtype)
     valid = _valid(ctx, b, t)
     reads_previous = r.kind == "GRU" or valid is not None
-    stmts: list[ir.Stmt] = [ir.Let(h_prev, load(h_state, dtype, q))] if reads_previous else []
+    stmts: list[ir.Stmt] = ([ir.Let(h_prev, load(h_state, dtype, add(h_in, q)))]
+                            if reads_previous else [])
 
     def pre(gate: int) -> Expr:
         return _preactivation(ctx, r, xw, gates, t, b, add(j, gate * hidden))
@@ -306,7 +348,7 @@ def _update_loop(ctx: StageCtx, r: Recurrence, d: int, t: Expr, xw: str, gates: 
     h_new = local(ctx.name("h"), dtype)
     stmts.append(ir.Let(h_new, h_value))
     keep_h = h_new if valid is None else select(valid, h_new, h_prev)
-    stmts.append(ir.Store(h_state, q, keep_h))
+    stmts.append(ir.Store(h_state, add(h_out, q), keep_h))
     if c_state is not None:
         keep_c = c_new if valid is None else select(valid, c_new, c_prev)
         stmts.append(ir.Store(c_state, q, keep_c))
@@ -315,8 +357,7 @@ def _update_loop(ctx: StageCtx, r: Recurrence, d: int, t: Expr, xw: str, gates: 
         y_shape = ctx.out(0).shape
         dims = [b, t, iconst(d), j] if r.layout else [t, iconst(d), b, j]
         stmts += ctx.results({0: (Index(y_shape, dims=dims), y)})
-    return ir.Loop(q, iconst(0), iconst(r.batch * hidden), stmts,
-                   parallel=1 if r.batch * hidden * 64 >= ctx.schedule.parallel_min_work else 0)
+    return stmts
 
 
 def _clipped(ctx: StageCtx, value: Expr) -> Expr:
@@ -349,16 +390,16 @@ def _valid(ctx: StageCtx, b: Expr, t: Expr) -> Expr | None:
     return make("lt", BOOL, (t, length))
 
 
-def _final_states(ctx: StageCtx, r: Recurrence, d: int, h_state: str,
+def _final_states(ctx: StageCtx, r: Recurrence, d: int, h_state: str, h_at: int,
                   c_state: str | None) -> list[ir.Stmt]:
     q = ctx.var("q", r.batch * r.hidden)
     b, j = Index((r.batch, r.hidden), flat=q).dims
     results: dict[int, tuple[Index, Expr]] = {}
-    for position, state in ((1, h_state), (2, c_state)):
+    for position, state, at in ((1, h_state, h_at), (2, c_state, 0)):
         if state is not None and ctx.output_used(position):
             shape = ctx.out(position).shape
             dims = [b, iconst(d), j] if r.layout else [iconst(d), b, j]
-            results[position] = (Index(shape, dims=dims), load(state, r.dtype, q))
+            results[position] = (Index(shape, dims=dims), load(state, r.dtype, add(q, at)))
     if not results:
         return []
     return [ir.Loop(q, iconst(0), iconst(r.batch * r.hidden), ctx.results(results))]
