@@ -40,6 +40,7 @@ from kiln.codegen.contexts import StageCtx
 from kiln.codegen.ops.registry import stage
 from kiln.codegen.gemm.contraction import contraction
 from kiln.codegen.gemm.spec import Contraction
+from kiln.codegen.microkernel import MicroKernel, tile_for
 from kiln.codegen.ops.common import c, clip01, fn, sigmoid, softplus
 from kiln.ecg import Graph, Op
 
@@ -189,18 +190,18 @@ def _direction(ctx: StageCtx, r: Recurrence, d: int, backwards: bool,
     t_now = add(mul(step, -1), r.seq - 1) if backwards else step
     h_in = mul(modulo(step, 2), states)
     h_out = sub(iconst(states), h_in)
-    gates = ctx.scratch(dtype, r.batch * rows)
-    ph = _Phases(ctx, r, d, gates)
+    ph = _Phases(ctx, r, d)
 
-    def update(b: Expr, j: Expr) -> list[ir.Stmt]:
-        return _update(ctx, r, d, t_now, xw, gates, (h_state, h_in, h_out), c_state, acts,
-                       bool(lbr), b, j)
+    def update(b: Expr, j: Expr, sums: GateSums) -> list[ir.Stmt]:
+        return _update(ctx, r, d, t_now, xw, (h_state, h_in, h_out), c_state, acts, bool(lbr),
+                       b, j, sums)
 
     if kind == "GRU" and not lbr:
         reset = ctx.scratch(dtype, states)
         step_body = [ph.phase([0, 1], h_state, h_in,
-                              lambda b, j: _reset_hidden(ctx, r, xw, gates, t_now, acts,
-                                                         (h_state, h_in), reset, b, j)),
+                              lambda b, j, sums: _reset_hidden(ctx, r, xw, t_now, acts,
+                                                               (h_state, h_in), reset, b, j,
+                                                               sums)),
                      ph.phase([2], reset, iconst(0), update)]
     else:
         step_body = [ph.phase(list(range(GATES[kind])), h_state, h_in, update)]
@@ -223,42 +224,93 @@ def _initial(ctx: StageCtx, position: int, d: int, b: Expr, j: Expr, dtype: str)
     return ctx.operand(position, Index(shape, dims=dims))
 
 
+GateSums = Callable[[int], Expr]  # gate → its recurrent sum at the tail's (batch row, unit)
+Tail = Callable[[Expr, Expr, GateSums], list[ir.Stmt]]  # (b, j, sums) → statements
+
+
 @dataclass
 class _Phases:
     """A step's parallel loops. Each runs over blocks of hidden units (and batch rows): first the
     recurrent sums of the block's rows of some gates — all gates of a unit share each load of the
     state — then a per-unit tail over the block while its sums are still in L1. The blocks are
     shared out evenly, the same way every step, so a thread reads the same rows of R each step
-    (they stay in its caches as far as they fit) and the tail needs no other thread's sums."""
+    (they stay in its caches as far as they fit) and the tail needs no other thread's sums.
+
+    The sums live in scratch blocked as [b, block, gate, unit of the block]. With a constant R and
+    a CPU's vector micro-kernels, a phase's rows of R are packed at compile time in the order the
+    sums read them, [block, k, gate, unit], and one 1-row micro-kernel call per block computes
+    all of the block's sums in registers from one contiguous stream of R."""
 
     ctx: StageCtx
     r: Recurrence
     d: int
-    gates: str
 
-    def phase(self, gate_ids: list[int], source: str, source_offset: Expr,
-              tail: Callable[[Expr, Expr], list[ir.Stmt]]) -> ir.Loop:
-        ctx, r = self.ctx, self.r
-        unit = max(1, UNIT_BLOCK_BYTES // np.dtype(r.dtype).itemsize)
-        blocks = -(-r.hidden // unit)
-        p = ctx.var("p", blocks * r.batch)
-        block, b = Index((blocks, r.batch), flat=p).dims
+    def __post_init__(self) -> None:
+        self.unit = max(1, UNIT_BLOCK_BYTES // np.dtype(self.r.dtype).itemsize)
+        self.blocks = -(-self.r.hidden // self.unit)
+        self.gates = self.ctx.scratch(self.r.dtype, self.r.batch * self.blocks * GATES[self.r.kind]
+                                      * self.unit)
+
+    def _sum_at(self, b: Expr, block: Expr, gate: int, u: Expr | int) -> Expr:
+        return add(mul(add(mul(add(mul(b, self.blocks), block), GATES[self.r.kind]), gate),
+                       self.unit), u)
+
+    def phase(self, gate_ids: list[int], source: str, source_offset: Expr, tail: Tail) -> ir.Loop:
+        ctx, r, unit = self.ctx, self.r, self.unit
+        p = ctx.var("p", self.blocks * r.batch)
+        block, b = Index((self.blocks, r.batch), flat=p).dims
         first = mul(block, unit)
-        last = imin(add(first, unit), r.hidden)
-        j = ctx.var("j", r.hidden)
-        sums = ir.Loop(j, first, last,
-                       self._sums(gate_ids, source, add(source_offset, mul(b, r.hidden)), b, j))
-        jt = ctx.var("j", r.hidden)
+        units = sub(imin(add(first, unit), r.hidden), first)
+        row = add(source_offset, mul(b, r.hidden))
+        packed = self._packed(gate_ids)
+        sums = (self._panel_sums(packed, gate_ids, source, row, b, block) if packed
+                else self._dot_sums(gate_ids, source, row, b, block, units))
+        u = ctx.var("u", unit)
+
+        def sum_of(gate: int) -> Expr:
+            return load(self.gates, r.dtype, self._sum_at(b, block, gate, u))
+
         work = r.batch * len(gate_ids) * r.hidden * r.hidden
-        return ir.Loop(p, iconst(0), iconst(blocks * r.batch),
-                       [sums, ir.Loop(jt, first, last, tail(b, jt), simd=True)],
+        return ir.Loop(p, iconst(0), iconst(self.blocks * r.batch),
+                       [*sums, ir.Loop(u, iconst(0), units, tail(b, add(first, u), sum_of),
+                                       simd=True)],
                        parallel=1 if work >= ctx.schedule.parallel_min_work else 0)
 
-    def _sums(self, gate_ids: list[int], source: str, row: Expr, b: Expr,
-              j: Expr) -> list[ir.Stmt]:
-        """gates[b, g·H + j] = Σ_k source[row + k] · R[d, g·H + j, k] for each g in gate_ids."""
+    def _packed(self, gate_ids: list[int]) -> tuple[str, MicroKernel] | None:
+        """R's rows of `gate_ids` as a derived constant [block, k, gate, unit] (units past the
+        hidden size zero) and the 1-row micro-kernel over one block; None where R is not a
+        constant or the target has no vector micro-kernels."""
+        ctx, r, unit = self.ctx, self.r, self.unit
+        s = ctx.schedule
+        weights = ctx.const(2)
+        if weights is None or s.vector_bytes <= 0 or s.gemm_work_group > 0:
+            return None
+        uk = tile_for((), r.dtype, s.vector_bytes, 1, len(gate_ids) * unit)
+        if uk.nr != len(gate_ids) * unit:
+            return None
+        padded = np.zeros((len(gate_ids), self.blocks * unit, r.hidden), weights.dtype)
+        for i, g in enumerate(gate_ids):
+            padded[i, :r.hidden] = weights[self.d, g * r.hidden:(g + 1) * r.hidden]
+        panels = padded.reshape(len(gate_ids), self.blocks, unit, r.hidden).transpose(1, 3, 0, 2)
+        ctx.info["recurrent_weights"] = "pre-packed constant"
+        return ctx.derived(np.ascontiguousarray(panels)), uk
+
+    def _panel_sums(self, packed: tuple[str, MicroKernel], gate_ids: list[int], source: str,
+                    row: Expr, b: Expr, block: Expr) -> list[ir.Stmt]:
+        panels, uk = packed
+        hidden = self.r.hidden
+        return [ir.MicroKernelCall(uk, iconst(hidden), source, row, panels,
+                                   mul(block, hidden * uk.nr), uk.nr, self.gates,
+                                   self._sum_at(b, block, gate_ids[0], 0), uk.nr, iconst(0))]
+
+    def _dot_sums(self, gate_ids: list[int], source: str, row: Expr, b: Expr, block: Expr,
+                  units: Expr) -> list[ir.Stmt]:
+        """sums[b, block, g, u] = Σ_k source[row + k] · R[d, g·H + block·U + u, k] for each g in
+        gate_ids, a dot product per unit."""
         ctx, r = self.ctx, self.r
         hidden, dtype = r.hidden, r.dtype
+        u = ctx.var("u", self.unit)
+        j = add(mul(block, self.unit), u)
         totals = [acc(ctx.name("sum"), dtype) for _ in gate_ids]
         k = ctx.var("k", hidden)
         state = load(source, dtype, add(row, k))
@@ -269,35 +321,38 @@ class _Phases:
             for g, total in zip(gate_ids, totals)]
         loop = ir.Loop(k, iconst(0), iconst(hidden), body, simd=True,
                        reductions=tuple(("+", total) for total in totals))
-        rows = GATES[r.kind] * hidden
-        return [*(ir.DeclAcc(total, const(0, dtype)) for total in totals), loop,
-                *(ir.Store(self.gates, add(mul(b, rows), j, g * hidden), total)
-                  for g, total in zip(gate_ids, totals))]
+        return [ir.Loop(u, iconst(0), units, [
+            *(ir.DeclAcc(total, const(0, dtype)) for total in totals), loop,
+            *(ir.Store(self.gates, self._sum_at(b, block, g, u), total)
+              for g, total in zip(gate_ids, totals))])]
 
 
-def _reset_hidden(ctx: StageCtx, r: Recurrence, xw: str, gates: str, t: Expr,
-                  acts: list[Activation], h: tuple[str, Expr], reset: str, b: Expr,
-                  j: Expr) -> list[ir.Stmt]:
+def _reset_hidden(ctx: StageCtx, r: Recurrence, xw: str, t: Expr, acts: list[Activation],
+                  h: tuple[str, Expr], reset: str, b: Expr, j: Expr,
+                  sums: GateSums) -> list[ir.Stmt]:
     """GRU without linear_before_reset: reset[b, j] = r_t[b, j] · h[b, j], the vector the hidden
     gate's recurrent sum runs over."""
     h_state, h_in = h
     q = add(mul(b, r.hidden), j)
-    pre = _preactivation(ctx, r, xw, gates, t, b, add(j, r.hidden))
+    pre = _preactivation(ctx, r, xw, t, b, j, 1, sums)
     return [ir.Store(reset, q, binary("mul", acts[0](pre),
                                       load(h_state, r.dtype, add(h_in, q))))]
 
 
-def _preactivation(ctx: StageCtx, r: Recurrence, xw: str, gates: str, t: Expr, b: Expr,
-                   g: Expr) -> Expr:
+def _xw_at(r: Recurrence, xw: str, t: Expr, b: Expr, g: Expr) -> Expr:
     rows = GATES[r.kind] * r.hidden
-    value = binary("add", load(xw, r.dtype, add(mul(add(mul(t, r.batch), b), rows), g)),
-                   load(gates, r.dtype, add(mul(b, rows), g)))
+    return load(xw, r.dtype, add(mul(add(mul(t, r.batch), b), rows), g))
+
+
+def _preactivation(ctx: StageCtx, r: Recurrence, xw: str, t: Expr, b: Expr, j: Expr, gate: int,
+                   sums: GateSums) -> Expr:
+    value = binary("add", _xw_at(r, xw, t, b, add(j, gate * r.hidden)), sums(gate))
     return _clipped(ctx, value)
 
 
-def _update(ctx: StageCtx, r: Recurrence, d: int, t: Expr, xw: str, gates: str,
-            h: tuple[str, Expr, Expr], c_state: str | None, acts: list[Activation], lbr: bool,
-            b: Expr, j: Expr) -> list[ir.Stmt]:
+def _update(ctx: StageCtx, r: Recurrence, d: int, t: Expr, xw: str, h: tuple[str, Expr, Expr],
+            c_state: str | None, acts: list[Activation], lbr: bool, b: Expr, j: Expr,
+            sums: GateSums) -> list[ir.Stmt]:
     """The state update of unit j of batch row b: reads h at h_in, writes it at h_out."""
     dtype, hidden = r.dtype, r.hidden
     h_state, h_in, h_out = h
@@ -309,7 +364,7 @@ def _update(ctx: StageCtx, r: Recurrence, d: int, t: Expr, xw: str, gates: str,
                             if reads_previous else [])
 
     def pre(gate: int) -> Expr:
-        return _preactivation(ctx, r, xw, gates, t, b, add(j, gate * hidden))
+        return _preactivation(ctx, r, xw, t, b, j, gate, sums)
 
     c_new = c_prev = None
     if r.kind == "LSTM":
@@ -333,11 +388,9 @@ def _update(ctx: StageCtx, r: Recurrence, d: int, t: Expr, xw: str, gates: str,
         z = f_act(pre(0))
         if lbr:
             reset = f_act(pre(1))
-            rows = 3 * hidden
             g_row = add(j, 2 * hidden)
-            recurrent = binary("add", load(gates, dtype, add(mul(b, rows), g_row)),
-                               _recurrent_bias(ctx, d, g_row, rows, dtype))
-            xw_h = load(xw, dtype, add(mul(add(mul(t, r.batch), b), rows), g_row))
+            recurrent = binary("add", sums(2), _recurrent_bias(ctx, d, g_row, 3 * hidden, dtype))
+            xw_h = _xw_at(r, xw, t, b, g_row)
             candidate = g_act(_clipped(ctx, binary("add", xw_h, binary("mul", reset, recurrent))))
         else:
             candidate = g_act(pre(2))
