@@ -1,5 +1,5 @@
 """LSTM, GRU and RNN against onnxruntime: hidden sizes that are not a whole number of unit blocks
-(the step loop runs over blocks of 16 units), batches, directions, sequence lengths, initial
+(the step loop runs over blocks of 16 to 64 units), batches, directions, sequence lengths, initial
 states, peepholes, clipping, and R as a constant (packed at compile time) or an input.
 onnxruntime runs no batch-first layout (layout=1), so these cover the sequence-first one."""
 from __future__ import annotations
@@ -74,11 +74,20 @@ def test_recurrent_matches_onnxruntime(op, hidden, batch, seq, direction, consta
 
 
 def test_parallel_steps_over_a_partial_unit_block():
-    """Hidden 100 and batch 2: enough work for the step's parallel loop, 7 blocks of 16 units
-    with a partial last one, the hidden state double-buffered across threads."""
+    """Hidden 100 and batch 2: enough work for the step's parallel loop, blocks of units with a
+    partial last one (100 is no multiple of 16, 32 or 64), the hidden state double-buffered
+    across threads."""
     for op, extras in (("LSTM", {"peepholes": True}), ("GRU", {"linear_before_reset": 0}),
                        ("GRU", {"linear_before_reset": 1}), ("RNN", {})):
         for constant_r in (True, False):
             m, inputs = recurrent_model(op, 100, 2, 6, "bidirectional", constant_r, True, True,
                                         dict(extras))
             check_model(m, inputs, ["none"])
+
+
+def test_lstm_clip_bounds_the_activation_input_with_the_peephole_term():
+    """ONNX clips the input of the activations: x·W + h·R + biases + P ⊙ c, not the sum
+    before the peephole term is added."""
+    m, inputs = recurrent_model("LSTM", 5, 2, 3, "forward", True, False, False,
+                                {"peepholes": True, "clip": 0.7})
+    check_model(m, inputs, ["none"])

@@ -50,9 +50,12 @@ DEFAULT_ACTIVATIONS = {"LSTM": ["Sigmoid", "Tanh", "Tanh"], "GRU": ["Sigmoid", "
 ACTIVATION_DEFAULTS = {"Affine": (1.0, 0.0), "LeakyRelu": (0.01, 0.0), "ThresholdedRelu": (1.0, 0.0),
                        "ScaledTanh": (1.0, 1.0), "HardSigmoid": (0.2, 0.5), "Elu": (1.0, 0.0)}
 ACTIVATIONS = {"Relu", "Tanh", "Sigmoid", "Softsign", "Softplus", *ACTIVATION_DEFAULTS}
-# A block of hidden units whose recurrent sums fill one cache line per gate: two threads never
-# write the same line of the gate sums, and the state update runs over whole vectors.
-UNIT_BLOCK_BYTES = 64
+# A block of hidden units holds a whole number of cache lines of each gate's sums: two threads
+# never write the same line of them, and the state update runs over whole vectors.
+CACHE_LINE_BYTES = 64
+# The vector accumulators of a block's sums: enough independent FMA chains to cover the FMA
+# latency times the FMA ports (4 cycles × 2 on current x86-64 and aarch64 cores).
+SUM_VECTORS = 8
 
 Activation = Callable[[Expr], Expr]
 
@@ -246,10 +249,20 @@ class _Phases:
     d: int
 
     def __post_init__(self) -> None:
-        self.unit = max(1, UNIT_BLOCK_BYTES // np.dtype(self.r.dtype).itemsize)
+        self.unit = self._unit(np.dtype(self.r.dtype).itemsize)
         self.blocks = -(-self.r.hidden // self.unit)
         self.gates = self.ctx.scratch(self.r.dtype, self.r.batch * self.blocks * GATES[self.r.kind]
                                       * self.unit)
+
+    def _unit(self, itemsize: int) -> int:
+        """Units per block: the block's sums over the widest phase's gates fill SUM_VECTORS
+        vectors of the target (at least a cache line per gate)."""
+        kind = self.r.kind
+        gates = 2 if kind == "GRU" and not self.ctx.attr("linear_before_reset", 0) else GATES[kind]
+        line_units = max(1, CACHE_LINE_BYTES // itemsize)
+        vector = max(self.ctx.schedule.vector_bytes, 1)
+        lines = max(1, -(-SUM_VECTORS * vector // (CACHE_LINE_BYTES * gates)))
+        return line_units * lines
 
     def _sum_at(self, b: Expr, block: Expr, gate: int, u: Expr | int) -> Expr:
         return add(mul(add(mul(add(mul(b, self.blocks), block), GATES[self.r.kind]), gate),
@@ -345,8 +358,12 @@ def _xw_at(r: Recurrence, xw: str, t: Expr, b: Expr, g: Expr) -> Expr:
 
 
 def _preactivation(ctx: StageCtx, r: Recurrence, xw: str, t: Expr, b: Expr, j: Expr, gate: int,
-                   sums: GateSums) -> Expr:
+                   sums: GateSums, peephole: Expr | None = None) -> Expr:
+    """A gate's activation input: x·W + biases + h·R (+ an LSTM peephole term), clipped (the
+    `clip` attribute bounds the input of the activations, peephole included)."""
     value = binary("add", _xw_at(r, xw, t, b, add(j, gate * r.hidden)), sums(gate))
+    if peephole is not None:
+        value = binary("add", value, peephole)
     return _clipped(ctx, value)
 
 
@@ -363,25 +380,25 @@ def _update(ctx: StageCtx, r: Recurrence, d: int, t: Expr, xw: str, h: tuple[str
     stmts: list[ir.Stmt] = ([ir.Let(h_prev, load(h_state, dtype, add(h_in, q)))]
                             if reads_previous else [])
 
-    def pre(gate: int) -> Expr:
-        return _preactivation(ctx, r, xw, t, b, j, gate, sums)
+    def pre(gate: int, peephole: Expr | None = None) -> Expr:
+        return _preactivation(ctx, r, xw, t, b, j, gate, sums, peephole)
 
     c_new = c_prev = None
     if r.kind == "LSTM":
         c_prev = local(ctx.name("c"), dtype)
         stmts.append(ir.Let(c_prev, load(c_state, dtype, q)))
-        peep = _peepholes(ctx, d, j, dtype)
+        peephole = _peepholes(ctx, d, j)
         f_act, g_act, h_act = acts
-        i_gate = f_act(binary("add", pre(0), binary("mul", peep[0], c_prev)))
+        i_gate = f_act(pre(0, peephole(0, c_prev)))
         if ctx.attr("input_forget", 0):
             f_gate = binary("sub", c(1, i_gate), i_gate)
         else:
-            f_gate = f_act(binary("add", pre(2), binary("mul", peep[2], c_prev)))
+            f_gate = f_act(pre(2, peephole(2, c_prev)))
         candidate = g_act(pre(3))
         c_value = binary("add", binary("mul", f_gate, c_prev), binary("mul", i_gate, candidate))
         c_new = local(ctx.name("c"), dtype)
         stmts.append(ir.Let(c_new, c_value))
-        o_gate = f_act(binary("add", pre(1), binary("mul", peep[1], c_new)))
+        o_gate = f_act(pre(1, peephole(1, c_new)))
         h_value = binary("mul", o_gate, h_act(c_new))
     elif r.kind == "GRU":
         f_act, g_act = acts
@@ -428,12 +445,15 @@ def _recurrent_bias(ctx: StageCtx, d: int, g: Expr, rows: int, dtype: str) -> Ex
     return ctx.operand(3, Index(ctx.tensor(3).shape, dims=[iconst(d), add(g, rows)]))
 
 
-def _peepholes(ctx: StageCtx, d: int, j: Expr, dtype: str) -> list[Expr]:
+def _peepholes(ctx: StageCtx, d: int, j: Expr) -> Callable[[int, Expr], Expr | None]:
+    """gate (0 input, 1 output, 2 forget), cell state → the gate's peephole term, None without
+    peepholes."""
     if not ctx.has(7):
-        return [const(0, dtype)] * 3
+        return lambda gate, cell: None
     shape = ctx.tensor(7).shape
     hidden = shape[1] // 3
-    return [ctx.operand(7, Index(shape, dims=[iconst(d), add(j, k * hidden)])) for k in range(3)]
+    return lambda gate, cell: binary("mul", ctx.operand(
+        7, Index(shape, dims=[iconst(d), add(j, gate * hidden)])), cell)
 
 
 def _valid(ctx: StageCtx, b: Expr, t: Expr) -> Expr | None:
