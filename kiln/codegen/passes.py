@@ -308,7 +308,8 @@ class _Binder:
         self.depends: dict[Expr, frozenset[str]] = {}  # the mutable state each node reads
 
     def stage(self, body: list[ir.Stmt]) -> list[ir.Stmt]:
-        self.written = {s.buffer for s in ir.iter_stmts(body) if isinstance(s, ir.Store)}
+        self.written = ({s.buffer for s in ir.iter_stmts(body) if isinstance(s, ir.Store)}
+                        | {s.c for s in ir.iter_stmts(body) if isinstance(s, ir.MicroKernelCall)})
         self.depends = {}
         scope = _Scope(None, set(), barrier=True)
         for stmt in body:

@@ -1,15 +1,19 @@
 """Recurrent ops: LSTM, GRU, RNN (opaque: always alone in their block).
 
 Per direction: the input projection X·Wᵀ + biases for every time step is one matrix product
-(`kiln.codegen.ops.contraction`: the packed GEMM for float models) into scratch; then a sequential loop over time steps
-runs, per step, a parallel loop of recurrent dot products h·Rᵀ and a parallel elementwise state
-update. The hidden and cell states live in scratch; `sequence_lens` freezes a batch row's state
-past its length and zeroes its outputs there.
+(`kiln.codegen.ops.contraction`: the packed GEMM for float models) into scratch; then a sequential
+loop over time steps runs, per step, one parallel loop over blocks of hidden units that computes
+the block's recurrent sums h·Rᵀ for all gates and then updates the block's states (GRU without
+`linear_before_reset` needs two: its hidden gate sums run over r ⊙ h, complete only after the
+first). The hidden state is double-buffered and the cell state lives in scratch;
+`sequence_lens` freezes a batch row's state past its length and zeroes its outputs there.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import numpy as np
 
 from kiln.codegen import ir
 from kiln.codegen.expr import (
@@ -21,18 +25,22 @@ from kiln.codegen.expr import (
     binary,
     const,
     iconst,
+    imin,
     index_compare,
     load,
     local,
     make,
+    modulo,
     mul,
     select,
+    sub,
 )
 from kiln.codegen.indexing import Index
 from kiln.codegen.contexts import StageCtx
 from kiln.codegen.ops.registry import stage
 from kiln.codegen.gemm.contraction import contraction
 from kiln.codegen.gemm.spec import Contraction
+from kiln.codegen.microkernel import MicroKernel, tile_for
 from kiln.codegen.ops.common import c, clip01, fn, sigmoid, softplus
 from kiln.ecg import Graph, Op
 
@@ -42,6 +50,12 @@ DEFAULT_ACTIVATIONS = {"LSTM": ["Sigmoid", "Tanh", "Tanh"], "GRU": ["Sigmoid", "
 ACTIVATION_DEFAULTS = {"Affine": (1.0, 0.0), "LeakyRelu": (0.01, 0.0), "ThresholdedRelu": (1.0, 0.0),
                        "ScaledTanh": (1.0, 1.0), "HardSigmoid": (0.2, 0.5), "Elu": (1.0, 0.0)}
 ACTIVATIONS = {"Relu", "Tanh", "Sigmoid", "Softsign", "Softplus", *ACTIVATION_DEFAULTS}
+# A block of hidden units holds a whole number of cache lines of each gate's sums: two threads
+# never write the same line of them, and the state update runs over whole vectors.
+CACHE_LINE_BYTES = 64
+# The vector accumulators of a block's sums: enough independent FMA chains to cover the FMA
+# latency times the FMA ports (4 cycles × 2 on current x86-64 and aarch64 cores).
+SUM_VECTORS = 8
 
 Activation = Callable[[Expr], Expr]
 
@@ -126,16 +140,6 @@ def _recurrent(ctx: StageCtx) -> None:
         _direction(ctx, r, d, reverse or d == 1, acts[d])
 
 
-def _dot(ctx: StageCtx, dtype: str, extent: int, term: Callable[[Expr], Expr]) -> tuple[list[ir.Stmt], Expr]:
-    total = acc(ctx.name("sum"), dtype)
-    k = ctx.var("k", max(extent, 1))
-    loop = ir.Loop(k, iconst(0), iconst(extent),
-                   [ir.Assign(total, binary("add", total, term(k)))], simd=True,
-                   reductions=(("+", total),))
-    result = local(ctx.name("dot"), dtype)
-    return [ir.DeclAcc(total, const(0, dtype)), loop, ir.Let(result, total)], result
-
-
 def _direction(ctx: StageCtx, r: Recurrence, d: int, backwards: bool,
                acts: list[Activation]) -> None:
     kind, dtype, hidden = r.kind, r.dtype, r.hidden
@@ -174,10 +178,12 @@ def _direction(ctx: StageCtx, r: Recurrence, d: int, backwards: bool,
         store=lambda _, tb, g, value: [ir.Store(xw, add(mul(tb, rows), g), value)]))
     ctx.attach_info()
 
-    # states
-    h_state = ctx.scratch(dtype, r.batch * hidden)
-    c_state = ctx.scratch(dtype, r.batch * hidden) if kind == "LSTM" else None
-    q = ctx.var("q", r.batch * hidden)
+    # states: the hidden state is double-buffered (a step reads all of h while the threads write
+    # their units of the next h), so one step needs one barrier
+    states = r.batch * hidden
+    h_state = ctx.scratch(dtype, 2 * states)
+    c_state = ctx.scratch(dtype, states) if kind == "LSTM" else None
+    q = ctx.var("q", states)
     qb, qj = Index((r.batch, hidden), flat=q).dims
     init = [ir.Store(h_state, q, _initial(ctx, 5, d, qb, qj, dtype))]
     if c_state:
@@ -185,16 +191,27 @@ def _direction(ctx: StageCtx, r: Recurrence, d: int, backwards: bool,
 
     step = ctx.var("step", r.seq)
     t_now = add(mul(step, -1), r.seq - 1) if backwards else step
-    gates = ctx.scratch(dtype, r.batch * rows)
-    recurrent_rows = 2 * hidden if kind == "GRU" and not lbr else rows
-    step_body = [_gate_loop(ctx, r, d, h_state, gates, recurrent_rows)]
+    h_in = mul(modulo(step, 2), states)
+    h_out = sub(iconst(states), h_in)
+    ph = _Phases(ctx, r, d)
+
+    def update(b: Expr, j: Expr, sums: GateSums) -> list[ir.Stmt]:
+        return _update(ctx, r, d, t_now, xw, (h_state, h_in, h_out), c_state, acts, bool(lbr),
+                       b, j, sums)
+
     if kind == "GRU" and not lbr:
-        step_body += _reset_hidden(ctx, r, d, h_state, gates, xw, t_now, acts)
-    step_body.append(_update_loop(ctx, r, d, t_now, xw, gates, h_state, c_state, acts, bool(lbr)))
+        reset = ctx.scratch(dtype, states)
+        step_body = [ph.phase([0, 1], h_state, h_in,
+                              lambda b, j, sums: _reset_hidden(ctx, r, xw, t_now, acts,
+                                                               (h_state, h_in), reset, b, j,
+                                                               sums)),
+                     ph.phase([2], reset, iconst(0), update)]
+    else:
+        step_body = [ph.phase(list(range(GATES[kind])), h_state, h_in, update)]
     time_loop = ir.Loop(step, iconst(0), iconst(r.seq), step_body)
-    final = _final_states(ctx, r, d, h_state, c_state)
+    final = _final_states(ctx, r, d, h_state, (r.seq % 2) * states, c_state)
     ctx.stage(f"{kind} ({ctx.op.id}) direction {d}: recurrence",
-              [ir.Loop(q, iconst(0), iconst(r.batch * hidden), init), time_loop, *final],
+              [ir.Loop(q, iconst(0), iconst(states), init), time_loop, *final],
               r.batch * rows * hidden)
 
 
@@ -210,92 +227,187 @@ def _initial(ctx: StageCtx, position: int, d: int, b: Expr, j: Expr, dtype: str)
     return ctx.operand(position, Index(shape, dims=dims))
 
 
-def _gate_loop(ctx: StageCtx, r: Recurrence, d: int, h_state: str, gates: str,
-               rows: int) -> ir.Loop:
-    """gates[b, g] = Σ_j h[b, j] · R[d, g, j] for the first `rows` gate rows."""
-    dtype, hidden = r.dtype, r.hidden
-    all_rows = GATES[r.kind] * hidden
-    p = ctx.var("p", r.batch * rows)
-    b, g = Index((r.batch, rows), flat=p).dims
-    r_shape = ctx.tensor(2).shape
-    stmts, dot = _dot(ctx, dtype, hidden, lambda j: binary(
-        "mul", load(h_state, dtype, add(mul(b, hidden), j)),
-        ctx.operand(2, Index(r_shape, dims=[iconst(d), g, j]))))
-    stmts.append(ir.Store(gates, add(mul(b, all_rows), g), dot))
-    return ir.Loop(p, iconst(0), iconst(r.batch * rows), stmts,
-                   parallel=1 if r.batch * rows * hidden >= ctx.schedule.parallel_min_work else 0)
+GateSums = Callable[[int], Expr]  # gate → its recurrent sum at the tail's (batch row, unit)
+Tail = Callable[[Expr, Expr, GateSums], list[ir.Stmt]]  # (b, j, sums) → statements
 
 
-def _reset_hidden(ctx: StageCtx, r: Recurrence, d: int, h_state: str, gates: str, xw: str,
-                  t: Expr, acts: list[Activation]) -> list[ir.Stmt]:
-    """GRU without linear_before_reset: gates[b, 2H + j] = Σ_k (r_t ⊙ h)[b, k] · Rh[d, j, k]."""
-    dtype, hidden = r.dtype, r.hidden
-    rows = 3 * hidden
-    reset = ctx.scratch(dtype, r.batch * hidden)
-    q = ctx.var("q", r.batch * hidden)
-    b, j = Index((r.batch, hidden), flat=q).dims
-    pre = _preactivation(ctx, r, xw, gates, t, b, add(j, hidden))
-    fill = ir.Loop(q, iconst(0), iconst(r.batch * hidden),
-                   [ir.Store(reset, q, binary("mul", acts[0](pre),
-                                              load(h_state, dtype, q)))])
-    p = ctx.var("p", r.batch * hidden)
-    pb, pj = Index((r.batch, hidden), flat=p).dims
-    r_shape = ctx.tensor(2).shape
-    stmts, dot = _dot(ctx, dtype, hidden, lambda k: binary(
-        "mul", load(reset, dtype, add(mul(pb, hidden), k)),
-        ctx.operand(2, Index(r_shape, dims=[iconst(d), add(pj, 2 * hidden), k]))))
-    stmts.append(ir.Store(gates, add(mul(pb, rows), pj, 2 * hidden), dot))
-    return [fill, ir.Loop(p, iconst(0), iconst(r.batch * hidden), stmts)]
+@dataclass
+class _Phases:
+    """A step's parallel loops. Each runs over blocks of hidden units (and batch rows): first the
+    recurrent sums of the block's rows of some gates — all gates of a unit share each load of the
+    state — then a per-unit tail over the block while its sums are still in L1. The blocks are
+    shared out evenly, the same way every step, so a thread reads the same rows of R each step
+    (they stay in its caches as far as they fit) and the tail needs no other thread's sums.
+
+    The sums live in scratch blocked as [b, block, gate, unit of the block]. With a constant R and
+    a CPU's vector micro-kernels, a phase's rows of R are packed at compile time in the order the
+    sums read them, [block, k, gate, unit], and one 1-row micro-kernel call per block computes
+    all of the block's sums in registers from one contiguous stream of R."""
+
+    ctx: StageCtx
+    r: Recurrence
+    d: int
+
+    def __post_init__(self) -> None:
+        self.unit = self._unit(np.dtype(self.r.dtype).itemsize)
+        self.blocks = -(-self.r.hidden // self.unit)
+        self.gates = self.ctx.scratch(self.r.dtype, self.r.batch * self.blocks * GATES[self.r.kind]
+                                      * self.unit)
+
+    def _unit(self, itemsize: int) -> int:
+        """Units per block: the block's sums over the widest phase's gates fill SUM_VECTORS
+        vectors of the target (at least a cache line per gate)."""
+        kind = self.r.kind
+        gates = 2 if kind == "GRU" and not self.ctx.attr("linear_before_reset", 0) else GATES[kind]
+        line_units = max(1, CACHE_LINE_BYTES // itemsize)
+        vector = max(self.ctx.schedule.vector_bytes, 1)
+        lines = max(1, -(-SUM_VECTORS * vector // (CACHE_LINE_BYTES * gates)))
+        return line_units * lines
+
+    def _sum_at(self, b: Expr, block: Expr, gate: int, u: Expr | int) -> Expr:
+        return add(mul(add(mul(add(mul(b, self.blocks), block), GATES[self.r.kind]), gate),
+                       self.unit), u)
+
+    def phase(self, gate_ids: list[int], source: str, source_offset: Expr, tail: Tail) -> ir.Loop:
+        ctx, r, unit = self.ctx, self.r, self.unit
+        p = ctx.var("p", self.blocks * r.batch)
+        block, b = Index((self.blocks, r.batch), flat=p).dims
+        first = mul(block, unit)
+        units = sub(imin(add(first, unit), r.hidden), first)
+        row = add(source_offset, mul(b, r.hidden))
+        packed = self._packed(gate_ids)
+        sums = (self._panel_sums(packed, gate_ids, source, row, b, block) if packed
+                else self._dot_sums(gate_ids, source, row, b, block, units))
+        u = ctx.var("u", unit)
+
+        def sum_of(gate: int) -> Expr:
+            return load(self.gates, r.dtype, self._sum_at(b, block, gate, u))
+
+        work = r.batch * len(gate_ids) * r.hidden * r.hidden
+        return ir.Loop(p, iconst(0), iconst(self.blocks * r.batch),
+                       [*sums, ir.Loop(u, iconst(0), units, tail(b, add(first, u), sum_of),
+                                       simd=True)],
+                       parallel=1 if work >= ctx.schedule.parallel_min_work else 0)
+
+    def _packed(self, gate_ids: list[int]) -> tuple[str, MicroKernel] | None:
+        """R's rows of `gate_ids` as a derived constant [block, k, gate, unit] (units past the
+        hidden size zero) and the 1-row micro-kernel over one block; None where R is not a
+        constant or the target has no vector micro-kernels."""
+        ctx, r, unit = self.ctx, self.r, self.unit
+        s = ctx.schedule
+        weights = ctx.const(2)
+        if weights is None or s.vector_bytes <= 0 or s.gemm_work_group > 0:
+            return None
+        uk = tile_for((), r.dtype, s.vector_bytes, 1, len(gate_ids) * unit)
+        if uk.nr != len(gate_ids) * unit:
+            return None
+        padded = np.zeros((len(gate_ids), self.blocks * unit, r.hidden), weights.dtype)
+        for i, g in enumerate(gate_ids):
+            padded[i, :r.hidden] = weights[self.d, g * r.hidden:(g + 1) * r.hidden]
+        panels = padded.reshape(len(gate_ids), self.blocks, unit, r.hidden).transpose(1, 3, 0, 2)
+        ctx.info["recurrent_weights"] = "pre-packed constant"
+        return ctx.derived(np.ascontiguousarray(panels)), uk
+
+    def _panel_sums(self, packed: tuple[str, MicroKernel], gate_ids: list[int], source: str,
+                    row: Expr, b: Expr, block: Expr) -> list[ir.Stmt]:
+        panels, uk = packed
+        hidden = self.r.hidden
+        return [ir.MicroKernelCall(uk, iconst(hidden), source, row, panels,
+                                   mul(block, hidden * uk.nr), uk.nr, self.gates,
+                                   self._sum_at(b, block, gate_ids[0], 0), uk.nr, iconst(0))]
+
+    def _dot_sums(self, gate_ids: list[int], source: str, row: Expr, b: Expr, block: Expr,
+                  units: Expr) -> list[ir.Stmt]:
+        """sums[b, block, g, u] = Σ_k source[row + k] · R[d, g·H + block·U + u, k] for each g in
+        gate_ids, a dot product per unit."""
+        ctx, r = self.ctx, self.r
+        hidden, dtype = r.hidden, r.dtype
+        u = ctx.var("u", self.unit)
+        j = add(mul(block, self.unit), u)
+        totals = [acc(ctx.name("sum"), dtype) for _ in gate_ids]
+        k = ctx.var("k", hidden)
+        state = load(source, dtype, add(row, k))
+        r_shape = ctx.tensor(2).shape
+        body: list[ir.Stmt] = [
+            ir.Assign(total, binary("add", total, binary("mul", state, ctx.operand(
+                2, Index(r_shape, dims=[iconst(self.d), add(j, g * hidden), k])))))
+            for g, total in zip(gate_ids, totals)]
+        loop = ir.Loop(k, iconst(0), iconst(hidden), body, simd=True,
+                       reductions=tuple(("+", total) for total in totals))
+        return [ir.Loop(u, iconst(0), units, [
+            *(ir.DeclAcc(total, const(0, dtype)) for total in totals), loop,
+            *(ir.Store(self.gates, self._sum_at(b, block, g, u), total)
+              for g, total in zip(gate_ids, totals))])]
 
 
-def _preactivation(ctx: StageCtx, r: Recurrence, xw: str, gates: str, t: Expr, b: Expr,
-                   g: Expr) -> Expr:
+def _reset_hidden(ctx: StageCtx, r: Recurrence, xw: str, t: Expr, acts: list[Activation],
+                  h: tuple[str, Expr], reset: str, b: Expr, j: Expr,
+                  sums: GateSums) -> list[ir.Stmt]:
+    """GRU without linear_before_reset: reset[b, j] = r_t[b, j] · h[b, j], the vector the hidden
+    gate's recurrent sum runs over."""
+    h_state, h_in = h
+    q = add(mul(b, r.hidden), j)
+    pre = _preactivation(ctx, r, xw, t, b, j, 1, sums)
+    return [ir.Store(reset, q, binary("mul", acts[0](pre),
+                                      load(h_state, r.dtype, add(h_in, q))))]
+
+
+def _xw_at(r: Recurrence, xw: str, t: Expr, b: Expr, g: Expr) -> Expr:
     rows = GATES[r.kind] * r.hidden
-    value = binary("add", load(xw, r.dtype, add(mul(add(mul(t, r.batch), b), rows), g)),
-                   load(gates, r.dtype, add(mul(b, rows), g)))
+    return load(xw, r.dtype, add(mul(add(mul(t, r.batch), b), rows), g))
+
+
+def _preactivation(ctx: StageCtx, r: Recurrence, xw: str, t: Expr, b: Expr, j: Expr, gate: int,
+                   sums: GateSums, peephole: Expr | None = None) -> Expr:
+    """A gate's activation input: x·W + biases + h·R (+ an LSTM peephole term), clipped (the
+    `clip` attribute bounds the input of the activations, peephole included)."""
+    value = binary("add", _xw_at(r, xw, t, b, add(j, gate * r.hidden)), sums(gate))
+    if peephole is not None:
+        value = binary("add", value, peephole)
     return _clipped(ctx, value)
 
 
-def _update_loop(ctx: StageCtx, r: Recurrence, d: int, t: Expr, xw: str, gates: str,
-                 h_state: str, c_state: str | None, acts: list[Activation], lbr: bool) -> ir.Loop:
+def _update(ctx: StageCtx, r: Recurrence, d: int, t: Expr, xw: str, h: tuple[str, Expr, Expr],
+            c_state: str | None, acts: list[Activation], lbr: bool, b: Expr, j: Expr,
+            sums: GateSums) -> list[ir.Stmt]:
+    """The state update of unit j of batch row b: reads h at h_in, writes it at h_out."""
     dtype, hidden = r.dtype, r.hidden
-    q = ctx.var("q", r.batch * hidden)
-    b, j = Index((r.batch, hidden), flat=q).dims
+    h_state, h_in, h_out = h
+    q = add(mul(b, hidden), j)
     h_prev = local(ctx.name("h"), dtype)
     valid = _valid(ctx, b, t)
     reads_previous = r.kind == "GRU" or valid is not None
-    stmts: list[ir.Stmt] = [ir.Let(h_prev, load(h_state, dtype, q))] if reads_previous else []
+    stmts: list[ir.Stmt] = ([ir.Let(h_prev, load(h_state, dtype, add(h_in, q)))]
+                            if reads_previous else [])
 
-    def pre(gate: int) -> Expr:
-        return _preactivation(ctx, r, xw, gates, t, b, add(j, gate * hidden))
+    def pre(gate: int, peephole: Expr | None = None) -> Expr:
+        return _preactivation(ctx, r, xw, t, b, j, gate, sums, peephole)
 
     c_new = c_prev = None
     if r.kind == "LSTM":
         c_prev = local(ctx.name("c"), dtype)
         stmts.append(ir.Let(c_prev, load(c_state, dtype, q)))
-        peep = _peepholes(ctx, d, j, dtype)
+        peephole = _peepholes(ctx, d, j)
         f_act, g_act, h_act = acts
-        i_gate = f_act(binary("add", pre(0), binary("mul", peep[0], c_prev)))
+        i_gate = f_act(pre(0, peephole(0, c_prev)))
         if ctx.attr("input_forget", 0):
             f_gate = binary("sub", c(1, i_gate), i_gate)
         else:
-            f_gate = f_act(binary("add", pre(2), binary("mul", peep[2], c_prev)))
+            f_gate = f_act(pre(2, peephole(2, c_prev)))
         candidate = g_act(pre(3))
         c_value = binary("add", binary("mul", f_gate, c_prev), binary("mul", i_gate, candidate))
         c_new = local(ctx.name("c"), dtype)
         stmts.append(ir.Let(c_new, c_value))
-        o_gate = f_act(binary("add", pre(1), binary("mul", peep[1], c_new)))
+        o_gate = f_act(pre(1, peephole(1, c_new)))
         h_value = binary("mul", o_gate, h_act(c_new))
     elif r.kind == "GRU":
         f_act, g_act = acts
         z = f_act(pre(0))
         if lbr:
             reset = f_act(pre(1))
-            rows = 3 * hidden
             g_row = add(j, 2 * hidden)
-            recurrent = binary("add", load(gates, dtype, add(mul(b, rows), g_row)),
-                               _recurrent_bias(ctx, d, g_row, rows, dtype))
-            xw_h = load(xw, dtype, add(mul(add(mul(t, r.batch), b), rows), g_row))
+            recurrent = binary("add", sums(2), _recurrent_bias(ctx, d, g_row, 3 * hidden, dtype))
+            xw_h = _xw_at(r, xw, t, b, g_row)
             candidate = g_act(_clipped(ctx, binary("add", xw_h, binary("mul", reset, recurrent))))
         else:
             candidate = g_act(pre(2))
@@ -306,7 +418,7 @@ def _update_loop(ctx: StageCtx, r: Recurrence, d: int, t: Expr, xw: str, gates: 
     h_new = local(ctx.name("h"), dtype)
     stmts.append(ir.Let(h_new, h_value))
     keep_h = h_new if valid is None else select(valid, h_new, h_prev)
-    stmts.append(ir.Store(h_state, q, keep_h))
+    stmts.append(ir.Store(h_state, add(h_out, q), keep_h))
     if c_state is not None:
         keep_c = c_new if valid is None else select(valid, c_new, c_prev)
         stmts.append(ir.Store(c_state, q, keep_c))
@@ -315,8 +427,7 @@ def _update_loop(ctx: StageCtx, r: Recurrence, d: int, t: Expr, xw: str, gates: 
         y_shape = ctx.out(0).shape
         dims = [b, t, iconst(d), j] if r.layout else [t, iconst(d), b, j]
         stmts += ctx.results({0: (Index(y_shape, dims=dims), y)})
-    return ir.Loop(q, iconst(0), iconst(r.batch * hidden), stmts,
-                   parallel=1 if r.batch * hidden * 64 >= ctx.schedule.parallel_min_work else 0)
+    return stmts
 
 
 def _clipped(ctx: StageCtx, value: Expr) -> Expr:
@@ -334,12 +445,15 @@ def _recurrent_bias(ctx: StageCtx, d: int, g: Expr, rows: int, dtype: str) -> Ex
     return ctx.operand(3, Index(ctx.tensor(3).shape, dims=[iconst(d), add(g, rows)]))
 
 
-def _peepholes(ctx: StageCtx, d: int, j: Expr, dtype: str) -> list[Expr]:
+def _peepholes(ctx: StageCtx, d: int, j: Expr) -> Callable[[int, Expr], Expr | None]:
+    """gate (0 input, 1 output, 2 forget), cell state → the gate's peephole term, None without
+    peepholes."""
     if not ctx.has(7):
-        return [const(0, dtype)] * 3
+        return lambda gate, cell: None
     shape = ctx.tensor(7).shape
     hidden = shape[1] // 3
-    return [ctx.operand(7, Index(shape, dims=[iconst(d), add(j, k * hidden)])) for k in range(3)]
+    return lambda gate, cell: binary("mul", ctx.operand(
+        7, Index(shape, dims=[iconst(d), add(j, gate * hidden)])), cell)
 
 
 def _valid(ctx: StageCtx, b: Expr, t: Expr) -> Expr | None:
@@ -349,16 +463,16 @@ def _valid(ctx: StageCtx, b: Expr, t: Expr) -> Expr | None:
     return make("lt", BOOL, (t, length))
 
 
-def _final_states(ctx: StageCtx, r: Recurrence, d: int, h_state: str,
+def _final_states(ctx: StageCtx, r: Recurrence, d: int, h_state: str, h_at: int,
                   c_state: str | None) -> list[ir.Stmt]:
     q = ctx.var("q", r.batch * r.hidden)
     b, j = Index((r.batch, r.hidden), flat=q).dims
     results: dict[int, tuple[Index, Expr]] = {}
-    for position, state in ((1, h_state), (2, c_state)):
+    for position, state, at in ((1, h_state, h_at), (2, c_state, 0)):
         if state is not None and ctx.output_used(position):
             shape = ctx.out(position).shape
             dims = [b, iconst(d), j] if r.layout else [iconst(d), b, j]
-            results[position] = (Index(shape, dims=dims), load(state, r.dtype, q))
+            results[position] = (Index(shape, dims=dims), load(state, r.dtype, add(q, at)))
     if not results:
         return []
     return [ir.Loop(q, iconst(0), iconst(r.batch * r.hidden), ctx.results(results))]
