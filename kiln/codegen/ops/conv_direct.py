@@ -87,6 +87,13 @@ def _phase_grid(w: Window, channels: int, nr: int) -> tuple[PhaseGrid, np.ndarra
     return PhaseGrid(phases, hq, wq, channels, segment), rows.astype(np.int32)
 
 
+def direct_columns(w: Window, nr: int) -> int:
+    """The direct conv's GEMM columns: output rows × the phase grid's width, in whole panels of
+    `nr` (the grid's columns past the output's are computed and dropped)."""
+    grid, _ = _phase_grid(w, 1, nr)
+    return round_up(w.out_size[0] * grid.wq, nr)
+
+
 def direct_applies(ctx: StageCtx, w: Window, acc_dtype: str) -> bool:
     """A 2-D float convolution on a target with GEMM micro-kernels, small enough for int32
     row offsets. Not on a GPU (work-group tiled GEMMs): there the implicit GEMM's copy into local
