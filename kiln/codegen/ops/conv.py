@@ -50,6 +50,7 @@ from kiln.codegen.expr import (
     imin,
     imul,
     index_compare,
+    load,
     local,
     logical_and,
     make,
@@ -62,7 +63,7 @@ from kiln.codegen.indexing import Index
 from kiln.codegen.contexts import InlineCtx, StageCtx
 from kiln.codegen.ops.registry import inline, stage
 from kiln.codegen.gemm.contraction import contraction
-from kiln.codegen.gemm.spec import BOperand, Contraction
+from kiln.codegen.gemm.spec import AOperand, BOperand, Contraction
 from kiln.codegen.gemm.blocking import round_up
 from kiln.codegen.gemm.packed import micro_kernel
 from kiln.codegen.ops.conv_direct import (
@@ -215,9 +216,10 @@ def _pixels_as_rows(ctx: StageCtx, dtype: str, channels_out: int, pixels: int, r
     channels as its columns than the other way round (`columns(nr)`: the pixels as that way
     lays them out, in whole panels of nr; `reduction`: the sum's length). The micro-tile is
     mr × nr (6 × 16 on AVX2): a 7 × 7 image's 49 pixels fill 64 columns, a quarter of the work
-    wasted, but 54 rows. Pixels as rows pack the input's im2col once per call, and store each result apart
-    from its channel's neighbours: each about one micro-kernel cycle (2 FMAs of a vector,
-    2 × lanes products) per element."""
+    wasted, but 54 rows. Pixels as rows pack the input's im2col once per call, about one
+    micro-kernel cycle (2 FMAs of a vector: 2 × lanes products) per packed element, and each
+    result costs two more: stored apart from its channel's neighbours, then read back by the
+    epilogue's pass (`_by_pixels`)."""
     s = ctx.schedule
     if (dtype not in ("float32", "float64") or s.vector_bytes == 0 or s.gemm_work_group
             or pixels < s.gemm_min_m or channels_out < s.gemm_min_n):
@@ -226,7 +228,7 @@ def _pixels_as_rows(ctx: StageCtx, dtype: str, channels_out: int, pixels: int, r
     cycle = 2 * uk.lanes
     as_columns = round_up(channels_out, uk.mr) * columns(uk.nr) * reduction
     as_rows = ((round_up(pixels, uk.mr) * round_up(channels_out, uk.nr) + cycle * pixels)
-               * reduction + cycle * pixels * channels_out)
+               * reduction + 2 * cycle * pixels * channels_out)
     return as_rows < as_columns
 
 
@@ -246,17 +248,39 @@ def _pixel_rows_gemm(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: Co
         (g,) = bi.dims
         return ops.read_w(Index(w_shape, flat=add(mul(add(mul(g, mg), j), cg * taps), k)))
 
-    def out_index(b: Expr, i: Expr, j: Expr) -> Index:
-        n, g = Index((batch, group), flat=b).dims
-        return Index(out.shape, flat=add(mul(add(mul(n, group * mg), mul(g, mg), j), pixels), i))
-
-    def finish(total: Expr, b: Expr, i: Expr, j: Expr) -> Expr:
-        return ops.finish(total, add(mul(modulo(b, group), mg), j))
-
-    contraction(ctx, Contraction((batch, group), pixels, mg, cg * taps, (batch, group), (group,),
-                                 lambda bi, i, k: columns(bi, k, i), b_at, out_index, finish,
-                                 ops.acc_dtype))
+    _by_pixels(ctx, ops, (batch, group), (pixels, mg, cg * taps), ((batch, group), (group,)),
+               lambda bi, i, k: columns(bi, k, i), b_at)
     ctx.info["conv"] = "implicit GEMM, pixels as rows"
+
+
+def _by_pixels(ctx: StageCtx, ops: ConvOperands, batch: tuple[int, ...],
+               sizes: tuple[int, int, int], operand_batches: tuple[tuple[int, ...], ...],
+               a_at: AOperand, b_at: BOperand) -> None:
+    """A conv as the GEMM per `batch` entry of `sizes` = (output pixels: rows, output channels
+    of the entry: columns, sum), its operands' batch shapes `operand_batches`. The raw sums go
+    to scratch in the output's layout, then the bias and the fused epilogue run in one pass
+    over the output, vectorised along its pixels: a micro-tile holds only `mr` pixels of a
+    channel, too few for a vector loop (a SiLU's exp would run in scalar code)."""
+    out = ctx.out()
+    pixels, channels, reduction = sizes
+    sums = ctx.scratch(ops.acc_dtype, out.numel)
+
+    def at(b: Expr, i: Expr, j: Expr) -> Expr:
+        return add(mul(add(mul(b, channels), j), pixels), i)
+
+    contraction(ctx, Contraction(
+        batch, pixels, channels, reduction, *operand_batches, a_at, b_at,
+        lambda b, i, j: Index(out.shape, flat=at(b, i, j)), lambda total, b, i, j: total,
+        ops.acc_dtype, store=lambda b, i, j, value: [ir.Store(sums, at(b, i, j), value)]))
+    planes = out.numel // pixels
+    p, x = ctx.var("p", planes), ctx.var("x", pixels)
+    total = ops.finish(load(sums, ops.acc_dtype, add(mul(p, pixels), x)),
+                       modulo(p, out.shape[1]))
+    stores = ctx.results({0: (Index(out.shape, flat=add(mul(p, pixels), x)), total)})
+    ctx.stage(f"bias and epilogue of {ctx.op.id}",
+              [ir.Loop(p, iconst(0), iconst(planes), [ir.Loop(x, iconst(0), iconst(pixels),
+                                                               stores, simd=True)],
+                       parallel=1)], out.numel)
 
 
 def im2col(w: Window, ops: ConvOperands, in_shape: tuple[int, ...], cg: int) -> BOperand:
@@ -298,10 +322,8 @@ def _pointwise(ctx: StageCtx, w_shape: tuple[int, ...], ops: ConvOperands) -> No
         return Index(out.shape, flat=add(mul(add(mul(b, m), i), pixels), j))
 
     if _pixels_as_rows(ctx, ops.acc_dtype, m, pixels, c, lambda nr: round_up(pixels, nr)):
-        contraction(ctx, Contraction(
-            (n,), pixels, m, c, (n,), (), lambda b, i, k: pixel(b, k, i),
-            lambda _, k, j: weight(j, k), lambda b, i, j: out_index(b, j, i),
-            lambda total, b, i, j: ops.finish(total, j), ops.acc_dtype))
+        _by_pixels(ctx, ops, (n,), (pixels, m, c), ((n,), ()), lambda b, i, k: pixel(b, k, i),
+                   lambda _, k, j: weight(j, k))
         ctx.info["conv"] = "GEMM, pixels as rows"
         return
     contraction(ctx, Contraction((n,), m, pixels, c, (), (n,), lambda _, i, k: weight(i, k),
