@@ -149,6 +149,23 @@ def test_depthwise_planes(case, fusion):
         assert "depthwise planes" in _forms(onnx_model)
 
 
+def test_narrow_depthwise_planes_with_a_silu():
+    """A 5 × 5 depthwise conv onto 7 × 7 planes with a fused SiLU (EfficientNet's last stage):
+    rows narrower than two vectors, so the sums are packed densely and the epilogue runs over
+    the whole plane; it matches onnxruntime."""
+    rng = np.random.default_rng(11)
+    spec = {"x": ((2, 6, 7, 7), "float32")}
+    inits = {"w": rng.standard_normal((6, 1, 5, 5)).astype(np.float32),
+             "b": rng.standard_normal(6).astype(np.float32)}
+    onnx_model = model([
+        helper.make_node("Conv", ["x", "w", "b"], ["c"], kernel_shape=[5, 5], pads=[2, 2, 2, 2],
+                         group=6),
+        helper.make_node("Sigmoid", ["c"], ["s"]),
+        helper.make_node("Mul", ["c", "s"], ["y"])], spec, ["y"], inits)
+    check_model(onnx_model, random_inputs(spec), partitioners=("none", "dnnfusion"))
+    assert "depthwise planes" in _forms(onnx_model)
+
+
 def _conv_model(case, fusion: str, seed: int):
     """Conv with bias over `case` (x shape, w shape, attributes), with `fusion`: a Relu read by
     the conv (relu-in, a prologue the padded copy evaluates once per element), a zero Pad folded

@@ -256,7 +256,8 @@ def depthwise_plane(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: Con
     (as `direct_conv`'s copy, one channel), so every tap of every output pixel reads inside it:
     one vector loop over the pixels of the grid, j = oy·wq + ox, sums all kh·kw taps at
     j + offset(tap) with no border cases and contiguous reads at any stride. The fused epilogue
-    then runs over each output row's ow valid pixels."""
+    then runs over each output row's ow valid pixels (over the whole plane, its rows packed
+    densely first, when they are narrower than two vectors)."""
     out, dtype = ctx.out(), ops.acc_dtype
     batch, m_total = out.shape[0], out.shape[1]
     mg = m_total // group
@@ -309,12 +310,24 @@ def depthwise_plane(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: Con
                                [ir.ArrayStore(sums, j, total)], simd=True))
 
     oy, ox = ctx.var("y", oh), ctx.var("x", ow)
-    value = ops.finish(array_load(sums, dtype, add(mul(oy, grid.wq), ox)), m)
-    stores = ctx.results({0: (Index(out.shape, dims=[n, m, oy, ox]), value)})
-    epilogue = ir.Loop(oy, iconst(0), iconst(oh),
-                       [ir.Loop(ox, iconst(0), iconst(ow), stores, simd=True)])
-    body = [ir.DeclArray(plane, dtype, grid.segment), ir.DeclArray(sums, dtype, oh * grid.wq),
-            *copy, *compute, epilogue]
+    row_sum = array_load(sums, dtype, add(mul(oy, grid.wq), ox))
+    arrays = [ir.DeclArray(plane, dtype, grid.segment), ir.DeclArray(sums, dtype, oh * grid.wq)]
+    if oh > 1 and ow < 2 * micro_kernel(ctx, dtype).lanes:
+        # rows under two vectors would run the epilogue (a SiLU's exp) mostly in scalar code:
+        # the rows' sums are first packed densely, then one vector loop runs over the plane
+        dense, q = ctx.name("dense"), ctx.var("q", oh * ow)
+        pack = ir.Loop(oy, iconst(0), iconst(oh), [ir.Loop(ox, iconst(0), iconst(ow), [
+            ir.ArrayStore(dense, add(mul(oy, ow), ox), row_sum)], simd=True)])
+        value = ops.finish(array_load(dense, dtype, q), m)
+        stores = ctx.results({0: (Index(out.shape, flat=add(mul(p, oh * ow), q)), value)})
+        epilogue = [pack, ir.Loop(q, iconst(0), iconst(oh * ow), stores, simd=True)]
+        arrays.append(ir.DeclArray(dense, dtype, oh * ow))
+    else:
+        stores = ctx.results({0: (Index(out.shape, dims=[n, m, oy, ox]),
+                                  ops.finish(row_sum, m))})
+        epilogue = [ir.Loop(oy, iconst(0), iconst(oh),
+                            [ir.Loop(ox, iconst(0), iconst(ow), stores, simd=True)])]
+    body = [*arrays, *copy, *compute, *epilogue]
     ctx.stage(f"conv ({ctx.op.id}), depthwise over padded planes",
               [ir.Loop(p, iconst(0), iconst(batch * m_total), body, parallel=1, grain="chunks")],
               out.numel * kh * kw)
