@@ -10,8 +10,8 @@ at a compile-time offset: the packed weights are the A panels, and the indirect 
 (`kiln.codegen.microkernel`) reads B row k at `copy + rows[k]` straight from the padded input.
 
 The columns ox ≥ ow of each grid row are computed and dropped (wq − ow of them per row: a few per
-cent at 56 × 56, more on 7 × 7 images); each finished micro-tile's valid pixels go through the
-fused epilogue from L1, one output row at a time. The copy is about the input's size (im2col's is
+cent at 56 × 56, more on 7 × 7 images); each finished cache block's valid pixels go through the
+fused epilogue from L2, one output row at a time. The copy is about the input's size (im2col's is
 kh·kw times it), and its loop evaluates a fused input prologue once per element.
 """
 from __future__ import annotations
@@ -193,14 +193,15 @@ def direct_conv(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: ConvOpe
         copy, add(mul(b, grid.segment), j_lo), 0, tile,
         add(mul(ip, uk.mr * blk.nc), mul(jp, uk.nr)), blk.nc,
         index_compare("gt", kb, 0) if k_blocks > 1 else const(False, BOOL), rows, k0)
-    epilogue = _epilogue(ctx, w, grid, ops, tile, blk.nc, (b, i0, j0), (i_lo, j_lo), uk, mg,
-                         group)
+    # the epilogue runs once per block, not per micro-tile: a micro-tile's nr pixels are split
+    # across output rows into runs too short for a vector loop (a SiLU's exp ran in scalar code)
+    epilogue = _epilogue(ctx, w, grid, ops, tile, blk.nc, (b, i0, j0),
+                         (mul(row_panels, uk.mr), mul(col_panels, uk.nr)), mg, group)
     if k_blocks > 1:
         epilogue = ir.If(index_compare("eq", kb, k_blocks - 1), [epilogue])
-    compute = ir.Loop(jp, iconst(0), col_panels,
-                      [ir.Loop(ip, iconst(0), row_panels, [call, epilogue])])
+    compute = ir.Loop(jp, iconst(0), col_panels, [ir.Loop(ip, iconst(0), row_panels, [call])])
     body = [ir.DeclArray(tile, dtype, blk.mc * blk.nc),
-            ir.Loop(kb, iconst(0), iconst(k_blocks), [compute])]
+            ir.Loop(kb, iconst(0), iconst(k_blocks), [compute, epilogue])]
     ctx.stage(f"conv ({ctx.op.id}), direct over the padded input",
               [ir.Loop(p, iconst(0), iconst(tasks), body, parallel=1,
                        grain="one" if s.gemm_omp_schedule == "dynamic" else "even")],
@@ -210,27 +211,27 @@ def direct_conv(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: ConvOpe
 
 
 def _epilogue(ctx: StageCtx, w: Window, grid: PhaseGrid, ops: ConvOperands, tile: str,
-              ldc: int, block: tuple[Expr, Expr, Expr], start: tuple[Expr, Expr],
-              uk: MicroKernel, mg: int, group: int) -> ir.Loop:
-    """The micro-tile's valid pixels through the fused epilogue: per channel, the grid rows the
-    tile's pixels [j_lo, j_lo + nr) touch, and in each the columns below ow."""
+              ldc: int, block: tuple[Expr, Expr, Expr], extent: tuple[Expr, Expr], mg: int,
+              group: int) -> ir.Loop:
+    """The valid pixels of the block (image·group b, first channel i0, first grid pixel j0) of
+    `extent` = (channels, grid pixels), held in `tile` rows `ldc` apart, through the fused
+    epilogue: per channel, the grid rows its pixels touch, and in each the columns below ow."""
     out = ctx.out()
     (oh, ow), wq = w.out_size, grid.wq
     b, i0, j0 = block
-    i_lo, j_lo = start
     n, g = floordiv(b, group), sub(b, mul(floordiv(b, group), group))
     i, oy, ox = ctx.var("i", mg), ctx.var("y", oh), ctx.var("x", ow)
-    j_hi = add(j_lo, uk.nr)
-    y_lo = floordiv(j_lo, wq)
+    j_hi = add(j0, extent[1])
+    y_lo = floordiv(j0, wq)
     y_hi = imin(floordiv(add(j_hi, wq - 1), wq), iconst(oh))
-    x_lo = imax(sub(j_lo, mul(oy, wq)), iconst(0))
+    x_lo = imax(sub(j0, mul(oy, wq)), iconst(0))
     x_hi = imin(sub(j_hi, mul(oy, wq)), iconst(ow))
     m = add(mul(g, mg), i)
     slot = add(mul(sub(i, i0), ldc), sub(add(mul(oy, wq), ox), j0))
     total = array_load(tile, ops.acc_dtype, slot)
     stores = ctx.results({0: (Index(out.shape, dims=[n, m, oy, ox]), ops.finish(total, m))})
     columns = ir.Loop(ox, x_lo, x_hi, stores, simd=True)
-    return ir.Loop(i, i_lo, imin(add(i_lo, uk.mr), iconst(mg)),
+    return ir.Loop(i, i0, imin(add(i0, extent[0]), iconst(mg)),
                    [ir.Loop(oy, y_lo, y_hi, [columns])])
 
 
