@@ -7,6 +7,9 @@ Conv picks its loop nest from the shape:
   ones as a direct conv, a GEMM that reads its B operand in place from a zero-padded,
   stride-phase-split copy of the input (`conv_direct`: no im2col; stems, strided and dilated
   convs included); the rest as an implicit GEMM whose B packing does the im2col;
+* a conv onto few pixels with many output channels (a late stage's 7 × 7 image, 1 × 1 or
+  not) runs as the transposed GEMM instead, pixels as rows, when that wastes less of the
+  micro-tile (`_pixels_as_rows`), its epilogue in a pass of its own along the pixels;
 * depthwise 2-D convs over zero-padded planes on the stack (`conv_direct.depthwise_plane`), or,
   when strided with thin borders or too large for the stack, with interior and border outputs
   split (`_depthwise_conv`);
