@@ -80,7 +80,9 @@ def vector_extension_source(k: MicroKernel) -> str:
     head = [
         f"typedef {k.scalar} {vec} __attribute__((vector_size({k.vector_bytes})));",
         f"typedef {k.scalar} {vecu} __attribute__((vector_size({k.vector_bytes}), aligned({4 if k.dtype == 'float32' else 8})));",
-        f"static inline void {k.function}(int64_t kc, const {k.scalar} *restrict a, "
+        # out of line: inlined into a loop nest whose other loops keep vectors live, GCC spilled
+        # an accumulator (a store-to-load round trip per k) and the kernel ran at half speed
+        f"static __attribute__((noinline)) void {k.function}(int64_t kc, const {k.scalar} *restrict a, "
         f"const {k.scalar} *restrict b, {rows}, {k.scalar} *restrict c, int64_t ldc, "
         f"int accumulate) {{",
     ]

@@ -53,6 +53,56 @@ def test_strided_stem_uses_the_direct_kernel():
 
 
 @st.composite
+def pixel_rows_cases(draw):
+    """Convs with few output pixels and many output channels per group (a late stage's 7 × 7
+    image), which run as the GEMM with pixels as rows: ragged channel counts, any kernel
+    (1 × 1 included, strided or not), stride, dilation, pads, groups and batch."""
+    group = draw(st.sampled_from([1, 1, 2]))
+    cin = group * draw(st.integers(16, 40))
+    cout = group * draw(st.integers(150, 230))
+    kernel = [draw(st.sampled_from([1, 2, 3, 3, 5])) for _ in range(2)]
+    strides = [draw(st.integers(1, 3)) for _ in range(2)]
+    dilations = [draw(st.sampled_from([1, 1, 2])) for _ in range(2)]
+    pads = [draw(st.integers(0, 2)) for _ in range(4)]
+    spatial = []
+    for d in range(2):
+        reach = (kernel[d] - 1) * dilations[d] + 1
+        out = draw(st.integers(2, 7))
+        spatial.append(max(1, (out - 1) * strides[d] + reach - pads[d] - pads[d + 2]))
+    attrs = {"kernel_shape": kernel, "strides": strides, "dilations": dilations, "pads": pads,
+             "group": group}
+    return (draw(st.integers(1, 2)), cin, *spatial), (cout, cin // group, *kernel), attrs
+
+
+@settings(max_examples=25, deadline=None)
+@given(pixel_rows_cases(), st.sampled_from(["none", "relu-in", "relu-out", "pad-in"]))
+def test_pixel_rows_conv(case, fusion):
+    onnx_model, inputs = _conv_model(case, fusion, seed=9)
+    check_model(onnx_model, inputs, partitioners=("none", "dnnfusion"))
+
+
+def test_late_stage_convs_run_with_pixels_as_rows():
+    """A 3 × 3 stride-2 conv and a 1 × 1 conv onto a 7 × 7 image with 256 output channels: 49
+    pixels would fill 64 GEMM columns, so they run as the transposed GEMM (54 rows) and match
+    onnxruntime; the same conv onto a 28 × 28 image keeps pixels as columns."""
+    rng = np.random.default_rng(10)
+    spec = {"x": ((1, 32, 14, 14), "float32")}
+    inits = {"w3": rng.standard_normal((256, 32, 3, 3)).astype(np.float32),
+             "w1": rng.standard_normal((256, 256, 1, 1)).astype(np.float32)}
+    onnx_model = model([
+        helper.make_node("Conv", ["x", "w3"], ["c"], kernel_shape=[3, 3], strides=[2, 2],
+                         pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c"], ["r"]),
+        helper.make_node("Conv", ["r", "w1"], ["y"], kernel_shape=[1, 1])], spec, ["y"], inits)
+    check_model(onnx_model, random_inputs(spec), partitioners=("none",))
+    assert _forms(onnx_model).count("pixels as rows") == 2
+    large = model([helper.make_node("Conv", ["x", "w3"], ["y"], kernel_shape=[3, 3],
+                                    pads=[1, 1, 1, 1])],
+                  {"x": ((1, 32, 28, 28), "float32")}, ["y"], inits)
+    assert "pixels as rows" not in _forms(large)
+
+
+@st.composite
 def winograd_cases(draw):
     """3×3 stride-1 convs with enough 2×2 output tiles for Winograd: odd and even sizes, pads
     of 0–2 on each side, batches."""
@@ -99,6 +149,23 @@ def test_depthwise_planes(case, fusion):
         assert "depthwise planes" in _forms(onnx_model)
 
 
+def test_narrow_depthwise_planes_with_a_silu():
+    """A 5 × 5 depthwise conv onto 7 × 7 planes with a fused SiLU (EfficientNet's last stage):
+    rows narrower than two vectors, so the sums are packed densely and the epilogue runs over
+    the whole plane; it matches onnxruntime."""
+    rng = np.random.default_rng(11)
+    spec = {"x": ((2, 6, 7, 7), "float32")}
+    inits = {"w": rng.standard_normal((6, 1, 5, 5)).astype(np.float32),
+             "b": rng.standard_normal(6).astype(np.float32)}
+    onnx_model = model([
+        helper.make_node("Conv", ["x", "w", "b"], ["c"], kernel_shape=[5, 5], pads=[2, 2, 2, 2],
+                         group=6),
+        helper.make_node("Sigmoid", ["c"], ["s"]),
+        helper.make_node("Mul", ["c", "s"], ["y"])], spec, ["y"], inits)
+    check_model(onnx_model, random_inputs(spec), partitioners=("none", "dnnfusion"))
+    assert "depthwise planes" in _forms(onnx_model)
+
+
 def _conv_model(case, fusion: str, seed: int):
     """Conv with bias over `case` (x shape, w shape, attributes), with `fusion`: a Relu read by
     the conv (relu-in, a prologue the padded copy evaluates once per element), a zero Pad folded
@@ -126,4 +193,5 @@ def _forms(onnx_model) -> str:
     graph = frontend.build(onnx_model, {}, "test")
     kernels = generate(plan_for(graph, "none"), host_target())
     return " ".join(str(info.get("form")) + (f" grid {info['grid']}" if info.get("grid") else "")
+                    + (f" ({info['conv']})" if info.get("conv") else "")
                     for kernel in kernels for info in kernel.schedule.get("stages", []))

@@ -7,6 +7,9 @@ Conv picks its loop nest from the shape:
   ones as a direct conv, a GEMM that reads its B operand in place from a zero-padded,
   stride-phase-split copy of the input (`conv_direct`: no im2col; stems, strided and dilated
   convs included); the rest as an implicit GEMM whose B packing does the im2col;
+* a conv onto few pixels with many output channels (a late stage's 7 × 7 image, 1 × 1 or
+  not) runs as the transposed GEMM instead, pixels as rows, when that wastes less of the
+  micro-tile (`_pixels_as_rows`), its epilogue in a pass of its own along the pixels;
 * depthwise 2-D convs over zero-padded planes on the stack (`conv_direct.depthwise_plane`), or,
   when strided with thin borders or too large for the stack, with interior and border outputs
   split (`_depthwise_conv`);
@@ -50,6 +53,7 @@ from kiln.codegen.expr import (
     imin,
     imul,
     index_compare,
+    load,
     local,
     logical_and,
     make,
@@ -62,11 +66,14 @@ from kiln.codegen.indexing import Index
 from kiln.codegen.contexts import InlineCtx, StageCtx
 from kiln.codegen.ops.registry import inline, stage
 from kiln.codegen.gemm.contraction import contraction
-from kiln.codegen.gemm.spec import BOperand, Contraction
+from kiln.codegen.gemm.spec import AOperand, BOperand, Contraction
+from kiln.codegen.gemm.blocking import round_up
+from kiln.codegen.gemm.packed import micro_kernel
 from kiln.codegen.ops.conv_direct import (
     depthwise_plane,
     depthwise_plane_applies,
     direct_applies,
+    direct_columns,
     direct_conv,
 )
 from kiln.codegen.ops.conv_winograd import winograd_conv, winograd_tile_size
@@ -157,8 +164,13 @@ def conv_stage(ctx: StageCtx, weight: int, operands: Callable[[str, bool], ConvO
         if tile := winograd_tile_size(ctx, geometry, group, ops.acc_dtype):
             winograd_conv(ctx, geometry, w_shape, ops, in_shape, tile)
         elif direct_applies(ctx, geometry, ops.acc_dtype):
-            direct_conv(ctx, geometry, w_shape, ops, group, in_shape,
-                        im2col(geometry, ops, in_shape, in_shape[1] // group))
+            if _pixels_as_rows(ctx, ops.acc_dtype, w_shape[0] // group,
+                               math.prod(geometry.out_size), w_shape[1] * math.prod(w_shape[2:]),
+                               lambda nr: direct_columns(geometry, nr)):
+                _pixel_rows_gemm(ctx, geometry, w_shape, ops, group)
+            else:
+                direct_conv(ctx, geometry, w_shape, ops, group, in_shape,
+                            im2col(geometry, ops, in_shape, in_shape[1] // group))
         else:
             _implicit_gemm(ctx, geometry, w_shape, ops, group)
     else:
@@ -201,6 +213,79 @@ def _implicit_gemm(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: Conv
     ctx.info["conv"] = "implicit GEMM"
 
 
+def _pixels_as_rows(ctx: StageCtx, dtype: str, channels_out: int, pixels: int, reduction: int,
+                    columns: Callable[[int], int]) -> bool:
+    """Whether a conv's GEMM does less work with the output pixels as its rows and the output
+    channels as its columns than the other way round (`columns(nr)`: the pixels as that way
+    lays them out, in whole panels of nr; `reduction`: the sum's length). The micro-tile is
+    mr × nr (6 × 16 on AVX2): a 7 × 7 image's 49 pixels fill 64 columns, a quarter of the work
+    wasted, but 54 rows. Pixels as rows pack the input's im2col once per call, about one
+    micro-kernel cycle (2 FMAs of a vector: 2 × lanes products) per packed element, and each
+    result costs two more: stored apart from its channel's neighbours, then read back by the
+    epilogue's pass (`_by_pixels`)."""
+    s = ctx.schedule
+    if (dtype not in ("float32", "float64") or s.vector_bytes == 0 or s.gemm_work_group
+            or pixels < s.gemm_min_m or channels_out < s.gemm_min_n):
+        return False  # not a CPU's packed GEMM either way
+    uk = micro_kernel(ctx, dtype)
+    cycle = 2 * uk.lanes
+    as_columns = round_up(channels_out, uk.mr) * columns(uk.nr) * reduction
+    as_rows = ((round_up(pixels, uk.mr) * round_up(channels_out, uk.nr) + cycle * pixels)
+               * reduction + 2 * cycle * pixels * channels_out)
+    return as_rows < as_columns
+
+
+def _pixel_rows_gemm(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: ConvOperands,
+                     group: int) -> None:
+    """The convolution as the transposed GEMM per (image, group): rows are output pixels (the
+    input's im2col, packed per call), columns output channels (the weights, packed at compile
+    time); each result goes to its channel's plane at its pixel."""
+    out = ctx.out()
+    batch, channels = out.shape[0], ctx.graph.tensors[ops.x].shape[1]
+    cg, mg = channels // group, w_shape[0] // group
+    pixels = math.prod(w.out_size)
+    taps = math.prod(w.kernel)
+    columns = im2col(w, ops, (batch, channels, *w.in_size), cg)
+
+    def b_at(bi: Index, k: Expr, j: Expr) -> Expr:
+        (g,) = bi.dims
+        return ops.read_w(Index(w_shape, flat=add(mul(add(mul(g, mg), j), cg * taps), k)))
+
+    _by_pixels(ctx, ops, (batch, group), (pixels, mg, cg * taps), ((batch, group), (group,)),
+               lambda bi, i, k: columns(bi, k, i), b_at)
+    ctx.info["conv"] = "implicit GEMM, pixels as rows"
+
+
+def _by_pixels(ctx: StageCtx, ops: ConvOperands, batch: tuple[int, ...],
+               sizes: tuple[int, int, int], operand_batches: tuple[tuple[int, ...], ...],
+               a_at: AOperand, b_at: BOperand) -> None:
+    """A conv as the GEMM per `batch` entry of `sizes` = (output pixels: rows, output channels
+    of the entry: columns, sum), its operands' batch shapes `operand_batches`. The raw sums go
+    to scratch in the output's layout, then the bias and the fused epilogue run in one pass
+    over the output, vectorised along its pixels: a micro-tile holds only `mr` pixels of a
+    channel, too few for a vector loop (a SiLU's exp would run in scalar code)."""
+    out = ctx.out()
+    pixels, channels, reduction = sizes
+    sums = ctx.scratch(ops.acc_dtype, out.numel)
+
+    def at(b: Expr, i: Expr, j: Expr) -> Expr:
+        return add(mul(add(mul(b, channels), j), pixels), i)
+
+    contraction(ctx, Contraction(
+        batch, pixels, channels, reduction, *operand_batches, a_at, b_at,
+        lambda b, i, j: Index(out.shape, flat=at(b, i, j)), lambda total, b, i, j: total,
+        ops.acc_dtype, store=lambda b, i, j, value: [ir.Store(sums, at(b, i, j), value)]))
+    planes = out.numel // pixels
+    p, x = ctx.var("p", planes), ctx.var("x", pixels)
+    total = ops.finish(load(sums, ops.acc_dtype, add(mul(p, pixels), x)),
+                       modulo(p, out.shape[1]))
+    stores = ctx.results({0: (Index(out.shape, flat=add(mul(p, pixels), x)), total)})
+    ctx.stage(f"bias and epilogue of {ctx.op.id}",
+              [ir.Loop(p, iconst(0), iconst(planes), [ir.Loop(x, iconst(0), iconst(pixels),
+                                                               stores, simd=True)],
+                       parallel=1)], out.numel)
+
+
 def im2col(w: Window, ops: ConvOperands, in_shape: tuple[int, ...], cg: int) -> BOperand:
     """The B operand of a convolution seen as a GEMM per (image, group): element (k, j) is the
     input under kernel tap k = (input channel, taps…) for output pixel j, zero in the padding."""
@@ -230,16 +315,22 @@ def _pointwise(ctx: StageCtx, w_shape: tuple[int, ...], ops: ConvOperands) -> No
     n, c = x_shape[:2]
     m, pixels = w_shape[0], math.prod(x_shape[2:])
 
-    def a_at(_: Index, i: Expr, k: Expr) -> Expr:
+    def weight(i: Expr, k: Expr) -> Expr:
         return ops.read_w(Index(w_shape, flat=add(mul(i, c), k)))
 
-    def b_at(b: Index, k: Expr, j: Expr) -> Expr:
+    def pixel(b: Index, k: Expr, j: Expr) -> Expr:
         return ops.read_x(Index(x_shape, flat=add(mul(add(mul(b.flat, c), k), pixels), j)))
 
     def out_index(b: Expr, i: Expr, j: Expr) -> Index:
         return Index(out.shape, flat=add(mul(add(mul(b, m), i), pixels), j))
 
-    contraction(ctx, Contraction((n,), m, pixels, c, (), (n,), a_at, b_at, out_index,
+    if _pixels_as_rows(ctx, ops.acc_dtype, m, pixels, c, lambda nr: round_up(pixels, nr)):
+        _by_pixels(ctx, ops, (n,), (pixels, m, c), ((n,), ()), lambda b, i, k: pixel(b, k, i),
+                   lambda _, k, j: weight(j, k))
+        ctx.info["conv"] = "GEMM, pixels as rows"
+        return
+    contraction(ctx, Contraction((n,), m, pixels, c, (), (n,), lambda _, i, k: weight(i, k),
+                                 pixel, out_index,
                                  lambda total, b, i, j: ops.finish(total, i), ops.acc_dtype))
 
 

@@ -10,8 +10,8 @@ at a compile-time offset: the packed weights are the A panels, and the indirect 
 (`kiln.codegen.microkernel`) reads B row k at `copy + rows[k]` straight from the padded input.
 
 The columns ox ≥ ow of each grid row are computed and dropped (wq − ow of them per row: a few per
-cent at 56 × 56, more on 7 × 7 images); each finished micro-tile's valid pixels go through the
-fused epilogue from L1, one output row at a time. The copy is about the input's size (im2col's is
+cent at 56 × 56, more on 7 × 7 images); each finished cache block's valid pixels go through the
+fused epilogue from L2, one output row at a time. The copy is about the input's size (im2col's is
 kh·kw times it), and its loop evaluates a fused input prologue once per element.
 """
 from __future__ import annotations
@@ -85,6 +85,13 @@ def _phase_grid(w: Window, channels: int, nr: int) -> tuple[PhaseGrid, np.ndarra
     pixels = round_up(oh * wq, nr)
     segment = round_up(max(channels * channel_stride, int(rows.max()) + pixels), 16)
     return PhaseGrid(phases, hq, wq, channels, segment), rows.astype(np.int32)
+
+
+def direct_columns(w: Window, nr: int) -> int:
+    """The direct conv's GEMM columns: output rows × the phase grid's width, in whole panels of
+    `nr` (the grid's columns past the output's are computed and dropped)."""
+    grid, _ = _phase_grid(w, 1, nr)
+    return round_up(w.out_size[0] * grid.wq, nr)
 
 
 def direct_applies(ctx: StageCtx, w: Window, acc_dtype: str) -> bool:
@@ -186,14 +193,15 @@ def direct_conv(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: ConvOpe
         copy, add(mul(b, grid.segment), j_lo), 0, tile,
         add(mul(ip, uk.mr * blk.nc), mul(jp, uk.nr)), blk.nc,
         index_compare("gt", kb, 0) if k_blocks > 1 else const(False, BOOL), rows, k0)
-    epilogue = _epilogue(ctx, w, grid, ops, tile, blk.nc, (b, i0, j0), (i_lo, j_lo), uk, mg,
-                         group)
+    # the epilogue runs once per block, not per micro-tile: a micro-tile's nr pixels are split
+    # across output rows into runs too short for a vector loop (a SiLU's exp ran in scalar code)
+    epilogue = _epilogue(ctx, w, grid, ops, tile, blk.nc, (b, i0, j0),
+                         (mul(row_panels, uk.mr), mul(col_panels, uk.nr)), mg, group)
     if k_blocks > 1:
         epilogue = ir.If(index_compare("eq", kb, k_blocks - 1), [epilogue])
-    compute = ir.Loop(jp, iconst(0), col_panels,
-                      [ir.Loop(ip, iconst(0), row_panels, [call, epilogue])])
+    compute = ir.Loop(jp, iconst(0), col_panels, [ir.Loop(ip, iconst(0), row_panels, [call])])
     body = [ir.DeclArray(tile, dtype, blk.mc * blk.nc),
-            ir.Loop(kb, iconst(0), iconst(k_blocks), [compute])]
+            ir.Loop(kb, iconst(0), iconst(k_blocks), [compute, epilogue])]
     ctx.stage(f"conv ({ctx.op.id}), direct over the padded input",
               [ir.Loop(p, iconst(0), iconst(tasks), body, parallel=1,
                        grain="one" if s.gemm_omp_schedule == "dynamic" else "even")],
@@ -203,27 +211,27 @@ def direct_conv(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: ConvOpe
 
 
 def _epilogue(ctx: StageCtx, w: Window, grid: PhaseGrid, ops: ConvOperands, tile: str,
-              ldc: int, block: tuple[Expr, Expr, Expr], start: tuple[Expr, Expr],
-              uk: MicroKernel, mg: int, group: int) -> ir.Loop:
-    """The micro-tile's valid pixels through the fused epilogue: per channel, the grid rows the
-    tile's pixels [j_lo, j_lo + nr) touch, and in each the columns below ow."""
+              ldc: int, block: tuple[Expr, Expr, Expr], extent: tuple[Expr, Expr], mg: int,
+              group: int) -> ir.Loop:
+    """The valid pixels of the block (image·group b, first channel i0, first grid pixel j0) of
+    `extent` = (channels, grid pixels), held in `tile` rows `ldc` apart, through the fused
+    epilogue: per channel, the grid rows its pixels touch, and in each the columns below ow."""
     out = ctx.out()
     (oh, ow), wq = w.out_size, grid.wq
     b, i0, j0 = block
-    i_lo, j_lo = start
     n, g = floordiv(b, group), sub(b, mul(floordiv(b, group), group))
     i, oy, ox = ctx.var("i", mg), ctx.var("y", oh), ctx.var("x", ow)
-    j_hi = add(j_lo, uk.nr)
-    y_lo = floordiv(j_lo, wq)
+    j_hi = add(j0, extent[1])
+    y_lo = floordiv(j0, wq)
     y_hi = imin(floordiv(add(j_hi, wq - 1), wq), iconst(oh))
-    x_lo = imax(sub(j_lo, mul(oy, wq)), iconst(0))
+    x_lo = imax(sub(j0, mul(oy, wq)), iconst(0))
     x_hi = imin(sub(j_hi, mul(oy, wq)), iconst(ow))
     m = add(mul(g, mg), i)
     slot = add(mul(sub(i, i0), ldc), sub(add(mul(oy, wq), ox), j0))
     total = array_load(tile, ops.acc_dtype, slot)
     stores = ctx.results({0: (Index(out.shape, dims=[n, m, oy, ox]), ops.finish(total, m))})
     columns = ir.Loop(ox, x_lo, x_hi, stores, simd=True)
-    return ir.Loop(i, i_lo, imin(add(i_lo, uk.mr), iconst(mg)),
+    return ir.Loop(i, i0, imin(add(i0, extent[0]), iconst(mg)),
                    [ir.Loop(oy, y_lo, y_hi, [columns])])
 
 
@@ -249,7 +257,8 @@ def depthwise_plane(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: Con
     (as `direct_conv`'s copy, one channel), so every tap of every output pixel reads inside it:
     one vector loop over the pixels of the grid, j = oy·wq + ox, sums all kh·kw taps at
     j + offset(tap) with no border cases and contiguous reads at any stride. The fused epilogue
-    then runs over each output row's ow valid pixels."""
+    then runs over each output row's ow valid pixels (over the whole plane, its rows packed
+    densely first, when they are narrower than two vectors)."""
     out, dtype = ctx.out(), ops.acc_dtype
     batch, m_total = out.shape[0], out.shape[1]
     mg = m_total // group
@@ -302,12 +311,24 @@ def depthwise_plane(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: Con
                                [ir.ArrayStore(sums, j, total)], simd=True))
 
     oy, ox = ctx.var("y", oh), ctx.var("x", ow)
-    value = ops.finish(array_load(sums, dtype, add(mul(oy, grid.wq), ox)), m)
-    stores = ctx.results({0: (Index(out.shape, dims=[n, m, oy, ox]), value)})
-    epilogue = ir.Loop(oy, iconst(0), iconst(oh),
-                       [ir.Loop(ox, iconst(0), iconst(ow), stores, simd=True)])
-    body = [ir.DeclArray(plane, dtype, grid.segment), ir.DeclArray(sums, dtype, oh * grid.wq),
-            *copy, *compute, epilogue]
+    row_sum = array_load(sums, dtype, add(mul(oy, grid.wq), ox))
+    arrays = [ir.DeclArray(plane, dtype, grid.segment), ir.DeclArray(sums, dtype, oh * grid.wq)]
+    if oh > 1 and ow < 2 * micro_kernel(ctx, dtype).lanes:
+        # rows under two vectors would run the epilogue (a SiLU's exp) mostly in scalar code:
+        # the rows' sums are first packed densely, then one vector loop runs over the plane
+        dense, q = ctx.name("dense"), ctx.var("q", oh * ow)
+        pack = ir.Loop(oy, iconst(0), iconst(oh), [ir.Loop(ox, iconst(0), iconst(ow), [
+            ir.ArrayStore(dense, add(mul(oy, ow), ox), row_sum)], simd=True)])
+        value = ops.finish(array_load(dense, dtype, q), m)
+        stores = ctx.results({0: (Index(out.shape, flat=add(mul(p, oh * ow), q)), value)})
+        epilogue = [pack, ir.Loop(q, iconst(0), iconst(oh * ow), stores, simd=True)]
+        arrays.append(ir.DeclArray(dense, dtype, oh * ow))
+    else:
+        stores = ctx.results({0: (Index(out.shape, dims=[n, m, oy, ox]),
+                                  ops.finish(row_sum, m))})
+        epilogue = [ir.Loop(oy, iconst(0), iconst(oh),
+                            [ir.Loop(ox, iconst(0), iconst(ow), stores, simd=True)])]
+    body = [*arrays, *copy, *compute, *epilogue]
     ctx.stage(f"conv ({ctx.op.id}), depthwise over padded planes",
               [ir.Loop(p, iconst(0), iconst(batch * m_total), body, parallel=1, grain="chunks")],
               out.numel * kh * kw)
