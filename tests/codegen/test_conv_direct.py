@@ -15,21 +15,27 @@ from tests.codegen.harness import check_model, model, plan_for, random_inputs
 
 
 @st.composite
+def windows(draw, kernels, max_pad, group):
+    """A 2-D conv's attributes: square-or-not kernels from `kernels`, strides 1–3, dilations 1–2
+    and asymmetric pads up to `max_pad`."""
+    return {"kernel_shape": [draw(st.sampled_from(kernels)) for _ in range(2)],
+            "strides": [draw(st.integers(1, 3)) for _ in range(2)],
+            "dilations": [draw(st.sampled_from([1, 1, 2])) for _ in range(2)],
+            "pads": [draw(st.integers(0, max_pad)) for _ in range(4)], "group": group}
+
+
+@st.composite
 def direct_cases(draw):
     """2-D convs with at least 16 output channels per group (the GEMM-sized ones)."""
     group = draw(st.sampled_from([1, 1, 1, 2]))
     cin = group * draw(st.sampled_from([1, 3, 5, 8]))
     cout = group * draw(st.integers(16, 30))
-    kernel = [draw(st.sampled_from([1, 2, 3, 3, 5, 7])) for _ in range(2)]
-    strides = [draw(st.integers(1, 3)) for _ in range(2)]
-    dilations = [draw(st.sampled_from([1, 1, 2])) for _ in range(2)]
-    pads = [draw(st.integers(0, 3)) for _ in range(4)]
+    attrs = draw(windows([1, 2, 3, 3, 5, 7], max_pad=3, group=group))
+    kernel, dilations, pads = attrs["kernel_shape"], attrs["dilations"], attrs["pads"]
     spatial = []
     for d in range(2):  # at least one output position per dim
         reach = (kernel[d] - 1) * dilations[d] + 1
         spatial.append(max(draw(st.integers(1, 15)), reach - pads[d] - pads[d + 2]))
-    attrs = {"kernel_shape": kernel, "strides": strides, "dilations": dilations, "pads": pads,
-             "group": group}
     return (draw(st.integers(1, 2)), cin, *spatial), (cout, cin // group, *kernel), attrs
 
 
@@ -60,17 +66,14 @@ def pixel_rows_cases(draw):
     group = draw(st.sampled_from([1, 1, 2]))
     cin = group * draw(st.integers(16, 40))
     cout = group * draw(st.integers(150, 230))
-    kernel = [draw(st.sampled_from([1, 2, 3, 3, 5])) for _ in range(2)]
-    strides = [draw(st.integers(1, 3)) for _ in range(2)]
-    dilations = [draw(st.sampled_from([1, 1, 2])) for _ in range(2)]
-    pads = [draw(st.integers(0, 2)) for _ in range(4)]
+    attrs = draw(windows([1, 2, 3, 3, 5], max_pad=2, group=group))
+    kernel, strides = attrs["kernel_shape"], attrs["strides"]
+    dilations, pads = attrs["dilations"], attrs["pads"]
     spatial = []
     for d in range(2):
         reach = (kernel[d] - 1) * dilations[d] + 1
         out = draw(st.integers(2, 7))
         spatial.append(max(1, (out - 1) * strides[d] + reach - pads[d] - pads[d + 2]))
-    attrs = {"kernel_shape": kernel, "strides": strides, "dilations": dilations, "pads": pads,
-             "group": group}
     return (draw(st.integers(1, 2)), cin, *spatial), (cout, cin // group, *kernel), attrs
 
 
@@ -125,16 +128,12 @@ def test_winograd_conv(case, fusion):
 def depthwise_plane_cases(draw):
     """Depthwise convs up to 7×7 (ConvNeXt's), any stride, dilation, pads and multiplier."""
     channels, multiplier = draw(st.integers(1, 4)), draw(st.sampled_from([1, 1, 2]))
-    kernel = [draw(st.sampled_from([1, 3, 5, 7])) for _ in range(2)]
-    strides = [draw(st.integers(1, 3)) for _ in range(2)]
-    dilations = [draw(st.sampled_from([1, 1, 2])) for _ in range(2)]
-    pads = [draw(st.integers(0, 3)) for _ in range(4)]
+    attrs = draw(windows([1, 3, 5, 7], max_pad=3, group=channels))
+    kernel, dilations, pads = attrs["kernel_shape"], attrs["dilations"], attrs["pads"]
     spatial = []
     for d in range(2):
         reach = (kernel[d] - 1) * dilations[d] + 1
         spatial.append(max(draw(st.integers(1, 20)), reach - pads[d] - pads[d + 2]))
-    attrs = {"kernel_shape": kernel, "strides": strides, "dilations": dilations, "pads": pads,
-             "group": channels}
     return ((draw(st.integers(1, 2)), channels, *spatial), (channels * multiplier, 1, *kernel),
             attrs)
 
