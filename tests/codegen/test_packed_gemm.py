@@ -85,6 +85,26 @@ def test_activation_operand_read_in_place_or_copied_to_rows(tile):
     assert stage["b_operand"] == want
 
 
+@pytest.mark.parametrize("tile", TILES, ids=lambda t: f"{t[1]}x{t[2]}v{t[0]}")
+@pytest.mark.parametrize("m", [4, 13, 24])
+def test_activation_a_read_in_place_with_a_partial_last_panel(tile, m):
+    """A row-major run-time A is read where it is by a row-reading micro-kernel, its last partial
+    panel (or a whole A shorter than a panel) through a local copy, over several blocks of the
+    sum and a batch; an A with arithmetic before the product is still packed once."""
+    spec = {"a": ((3, m, 11), "float32"), "w": ((11, 21), "float32")}
+    w = np.random.default_rng(4).standard_normal((11, 21)).astype(np.float32)
+    plain = model([helper.make_node("MatMul", ["a", "w"], ["y"])], {"a": spec["a"]}, ["y"],
+                  {"w": w})
+    kernels = run_with(plain, {"a": spec["a"]}, small_blocks(tile))
+    stage = next(s for k in kernels for s in k.schedule["stages"] if s.get("form") == "packed")
+    assert stage["a_operand"] == "read in place"
+    nodes = [helper.make_node("Relu", ["a"], ["ra"]), helper.make_node("MatMul", ["ra", "w"], ["y"])]
+    kernels = run_with(model(nodes, {"a": spec["a"]}, ["y"], {"w": w}), {"a": spec["a"]},
+                       small_blocks(tile))
+    stage = next(s for k in kernels for s in k.schedule["stages"] if s.get("form") == "packed")
+    assert stage["a_operand"] == "packed in scratch"
+
+
 def test_matrix_vector_products_are_dot_products():
     """One output column would waste all but one lane of each micro-kernel vector."""
     spec = {"x": ((1, 40, 1, 1), "float32")}

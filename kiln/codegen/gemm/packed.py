@@ -3,11 +3,12 @@ register-blocked micro-kernel over the panels, and the fused epilogue per micro-
 from __future__ import annotations
 
 import math
-
+from dataclasses import replace
 
 from kiln.codegen import ir
 from kiln.codegen.contexts import StageCtx
 from kiln.codegen.expr import (
+    Expr,
     add,
     const,
     floordiv,
@@ -23,6 +24,7 @@ from kiln.codegen.microkernel import MicroKernel, tile_for
 from kiln.codegen.gemm.packing import (
     OperandSide,
     Packed,
+    a_rows_in_place,
     b_rows,
     constant_panels,
     scratch_panels,
@@ -52,7 +54,7 @@ def packed_gemm(ctx: StageCtx, spec: Contraction, packed_a: Packed | None = None
         return
     a = OperandSide("a", spec.a, spec.a_batch, spec.m)
     b_side = OperandSide("b", lambda bi, j, k: spec.b(bi, k, j), spec.b_batch, spec.n)
-    packed_a = (packed_a or constant_panels(ctx, spec, a, uk.mr)
+    packed_a = (packed_a or constant_panels(ctx, spec, a, uk.mr) or a_rows_in_place(ctx, spec, a)
                 or scratch_panels(ctx, spec, a, uk.mr))
     packed_b = constant_panels(ctx, spec, b_side, uk.nr) or b_rows(ctx, spec, b_side, uk.nr)
     bt = math.prod(spec.batch)
@@ -74,11 +76,30 @@ def packed_gemm(ctx: StageCtx, spec: Contraction, packed_a: Packed | None = None
     b_flat = batch_of(spec, b, spec.b_batch).flat if spec.b_batch else iconst(0)
     ip, jp = ctx.var("ip", blk.mc // uk.mr), ctx.var("jp", blk.nc // uk.nr)
 
-    call = ir.MicroKernelCall(
-        uk, kc, packed_a.buffer, packed_a.offset(a_flat, k0, add(i0, mul(ip, uk.mr))),
-        packed_b.buffer, packed_b.offset(b_flat, k0, add(j0, mul(jp, uk.nr))), packed_b.ld,
-        tile, add(mul(ip, uk.mr * blk.nc), mul(jp, uk.nr)), blk.nc,
-        index_compare("gt", kb, 0) if k_blocks > 1 else const(False, "bool"))
+    a_start = add(i0, mul(ip, uk.mr))
+    b_offset = packed_b.offset(b_flat, k0, add(j0, mul(jp, uk.nr)))
+    c_offset = add(mul(ip, uk.mr * blk.nc), mul(jp, uk.nr))
+    accumulate = index_compare("gt", kb, 0) if k_blocks > 1 else const(False, "bool")
+
+    def update(kernel: MicroKernel, a_buffer: str, a_offset: Expr) -> ir.MicroKernelCall:
+        return ir.MicroKernelCall(kernel, kc, a_buffer, a_offset, packed_b.buffer, b_offset,
+                                  packed_b.ld, tile, c_offset, blk.nc, accumulate)
+
+    edge_decl: list[ir.Stmt] = []
+    edge_pack: list[ir.Stmt] = []
+    if packed_a.in_place:
+        call = update(replace(uk, lda=packed_a.ld), packed_a.buffer,
+                      packed_a.offset(a_flat, k0, a_start))
+        full_rows = spec.m // uk.mr * uk.mr
+        if full_rows < spec.m:  # the last, partial panel: its rows copied into a local panel
+            edge = ctx.name("ae")
+            edge_decl = [ir.DeclArray(edge, spec.dtype, uk.mr * blk.kc)]
+            edge_pack = [ir.If(index_compare("eq", rb, row_blocks - 1),
+                               _edge_panel(ctx, spec, edge, uk, full_rows, b, k0, kc))]
+            call = ir.If(index_compare("lt", a_start, full_rows), [call],
+                         [update(uk, edge, iconst(0))])
+    else:
+        call = update(uk, packed_a.buffer, packed_a.offset(a_flat, k0, a_start))
     # each micro-tile's results go through the epilogue right after its last update, from L1
     epilogue = tile_epilogue(ctx, spec, blk.nc, tile, b, (i0, add(i0, mul(ip, uk.mr)), uk.mr),
                              (j0, add(j0, mul(jp, uk.nr)), uk.nr))
@@ -86,11 +107,22 @@ def packed_gemm(ctx: StageCtx, spec: Contraction, packed_a: Packed | None = None
         epilogue = ir.If(index_compare("eq", kb, k_blocks - 1), [epilogue])
     compute = ir.Loop(jp, iconst(0), col_panels,
                       [ir.Loop(ip, iconst(0), row_panels, [call, epilogue])])
-    body = [ir.DeclArray(tile, spec.dtype, blk.mc * blk.nc),
-            ir.Loop(kb, iconst(0), iconst(k_blocks), [compute])]
+    body = [ir.DeclArray(tile, spec.dtype, blk.mc * blk.nc), *edge_decl,
+            ir.Loop(kb, iconst(0), iconst(k_blocks), [*edge_pack, compute])]
     ctx.stage(f"contraction {ctx.op.op_type} ({ctx.op.id}), packed GEMM",
               [ir.Loop(p, iconst(0), iconst(tasks), body, parallel=1,
                        grain="one" if s.gemm_omp_schedule == "dynamic" else "even")],
               bt * spec.m * spec.n * spec.k)
     ctx.info.update(form="packed", micro_kernel=f"{uk.mr}x{uk.nr}", vector_bytes=uk.vector_bytes,
                     mc=blk.mc, nc=blk.nc, kc=blk.kc, tasks=tasks)
+
+
+def _edge_panel(ctx: StageCtx, spec: Contraction, edge: str, uk: MicroKernel, first_row: int,
+                b: Expr, k0: Expr, kc: Expr) -> list[ir.Stmt]:
+    """edge[k·mr + r] = A[first_row + r, k0 + k] for the `kc` sums of the block, the rows past M
+    repeating the last one (their results are never stored)."""
+    r, k = ctx.var("r", uk.mr), ctx.var("k", spec.k)
+    row = imin(add(iconst(first_row), r), iconst(spec.m - 1))
+    value = spec.a(batch_of(spec, b, spec.a_batch), row, add(k0, k))
+    return [ir.Loop(r, iconst(0), iconst(uk.mr), [
+        ir.Loop(k, iconst(0), kc, [ir.ArrayStore(edge, add(mul(k, uk.mr), r), value)], simd=True)])]

@@ -39,6 +39,7 @@ class Packed:
     buffer: str
     offset: Callable[[Expr, Expr, Expr], Expr]
     ld: int
+    in_place: bool = False  # A's rows read where they are (row-major, `ld` apart), not panels
 
 
 def panel_layout(buffer: str, panels: int, k: int, unit: int) -> Packed:
@@ -85,6 +86,23 @@ def array_panels(ctx: StageCtx, values: np.ndarray, unit: int) -> Packed:
     nb, rows, k = values.shape
     panelled = values.reshape(nb, rows // unit, unit, k).transpose(0, 1, 3, 2)
     return panel_layout(ctx.derived(np.ascontiguousarray(panelled)), rows // unit, k, unit)
+
+
+def a_rows_in_place(ctx: StageCtx, spec: Contraction, side: OperandSide) -> Packed | None:
+    """A run-time A that is a plain row-major load (contiguous along the sum, rows a constant
+    distance apart within a batch) read in place by a row-reading micro-kernel: packing it would
+    copy every element once per call for a reuse the broadcasts get from L1 anyway. None for any
+    other A (a fused prologue's arithmetic, a gather, a transposed read)."""
+    probe, pb, px, pk = side.probes(ctx, spec.k)
+    if probe.op != "load" or stride_of(probe, pk) != 1:
+        return None
+    lda = stride_of(probe, px) if side.extent > 1 else spec.k
+    if lda is None or lda < spec.k:
+        return None
+    offset = probe.args[0]
+    ctx.info["a_operand"] = "read in place"
+    return Packed(probe.name, lambda b, k0, i0: substitute(offset, {pb: b, pk: k0, px: i0}), lda,
+                  in_place=True)
 
 
 def scratch_panels(ctx: StageCtx, spec: Contraction, side: OperandSide, unit: int) -> Packed:
