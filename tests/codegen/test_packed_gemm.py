@@ -105,6 +105,26 @@ def test_activation_a_read_in_place_with_a_partial_last_panel(tile, m):
     assert stage["a_operand"] == "packed in scratch"
 
 
+@pytest.mark.parametrize("tile", TILES, ids=lambda t: f"{t[1]}x{t[2]}v{t[0]}")
+def test_weights_times_a_batch_of_rows_is_one_product(tile):
+    """A batch of row-major A times one weight matrix runs as one product of batch × M rows (a
+    micro-tile spans two batches), through the fused epilogue; a batched B keeps the batches."""
+    spec = {"a": ((2, 5, 7, 9), "float32")}
+    rng = np.random.default_rng(7)
+    w, bias = (rng.standard_normal((9, 19)).astype(np.float32),
+               rng.standard_normal(19).astype(np.float32))
+    m = model([helper.make_node("MatMul", ["a", "w"], ["h"]),
+               helper.make_node("Add", ["h", "bias"], ["y"])], spec, ["y"], {"w": w, "bias": bias})
+    kernels = run_with(m, spec, small_blocks(tile))
+    stage = next(s for k in kernels for s in k.schedule["stages"] if s.get("form") == "packed")
+    assert stage["product_rows"] == 70
+    spec = {"a": ((5, 7, 9), "float32"), "b": ((5, 9, 19), "float32")}
+    kernels = run_with(model([helper.make_node("MatMul", ["a", "b"], ["y"])], spec, ["y"]), spec,
+                       small_blocks(tile))
+    stage = next(s for k in kernels for s in k.schedule["stages"] if s.get("form") == "packed")
+    assert stage["product_rows"] == 7
+
+
 def test_matrix_vector_products_are_dot_products():
     """One output column would waste all but one lane of each micro-kernel vector."""
     spec = {"x": ((1, 40, 1, 1), "float32")}

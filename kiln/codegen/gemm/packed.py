@@ -3,6 +3,7 @@ register-blocked micro-kernel over the panels, and the fused epilogue per micro-
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import replace
 
 from kiln.codegen import ir
@@ -10,11 +11,13 @@ from kiln.codegen.contexts import StageCtx
 from kiln.codegen.expr import (
     Expr,
     add,
+    array_load,
     const,
     floordiv,
     iconst,
     imin,
     index_compare,
+    modulo,
     mul,
     sub,
 )
@@ -30,7 +33,7 @@ from kiln.codegen.gemm.packing import (
     scratch_panels,
 )
 from kiln.codegen.gemm.group import group_gemm
-from kiln.codegen.gemm.spec import Contraction, batch_of, tile_epilogue
+from kiln.codegen.gemm.spec import Contraction, batch_of, results, tile_epilogue
 
 
 def micro_kernel(ctx: StageCtx, dtype: str) -> MicroKernel:
@@ -58,22 +61,31 @@ def packed_gemm(ctx: StageCtx, spec: Contraction, packed_a: Packed | None = None
                 or scratch_panels(ctx, spec, a, uk.mr))
     packed_b = constant_panels(ctx, spec, b_side, uk.nr) or b_rows(ctx, spec, b_side, uk.nr)
     bt = math.prod(spec.batch)
-    blk = blocking(spec.m, spec.n, spec.k, bt, uk, s.gemm_mc, s.gemm_nc, s.gemm_kc)
-    row_blocks, col_blocks, k_blocks = (-(-spec.m // blk.mc), -(-spec.n // blk.nc),
+    # one weight matrix for a batch of row-major A whose batches follow each other: one product
+    # of batch × M rows (no partial panel per batch; ConvNeXt's 7 × 7 × 768 is 49 rows, not 7 × 7)
+    folded = (bt > 1 and packed_a.in_place and spec.a_batch == spec.batch
+              and math.prod(spec.b_batch) <= 1 and packed_a.batch_ld == spec.m * packed_a.ld)
+    rows, batches = (bt * spec.m, 1) if folded else (spec.m, bt)
+    blk = blocking(rows, spec.n, spec.k, batches, uk, s.gemm_mc, s.gemm_nc, s.gemm_kc)
+    row_blocks, col_blocks, k_blocks = (-(-rows // blk.mc), -(-spec.n // blk.nc),
                                         -(-spec.k // blk.kc))
-    tasks = bt * row_blocks * col_blocks
+    tasks = batches * row_blocks * col_blocks
     p = ctx.var("p", tasks)
-    b, rb, cb = Index((bt, row_blocks, col_blocks), flat=p).dims
+    b, rb, cb = Index((batches, row_blocks, col_blocks), flat=p).dims
     i0, j0 = mul(rb, blk.mc), mul(cb, blk.nc)
     tile = ctx.name("ct")
-    row_panels = imin(iconst(blk.mc // uk.mr), floordiv(sub(iconst(spec.m + uk.mr - 1), i0), uk.mr))
+    row_panels = imin(iconst(blk.mc // uk.mr), floordiv(sub(iconst(rows + uk.mr - 1), i0), uk.mr))
     col_panels = imin(iconst(blk.nc // uk.nr), floordiv(sub(iconst(spec.n + uk.nr - 1), j0), uk.nr))
+
+    def row_of(g: Expr) -> tuple[Expr, Expr]:
+        """(batch, row of the batch) of row `g` of the product."""
+        return (floordiv(g, spec.m), modulo(g, spec.m)) if folded else (b, g)
 
     kb = ctx.var("kb", k_blocks)
     k0 = mul(kb, blk.kc)
     kc = iconst(blk.kc) if spec.k % blk.kc == 0 else imin(iconst(blk.kc), sub(iconst(spec.k), k0))
-    a_flat = batch_of(spec, b, spec.a_batch).flat if spec.a_batch else iconst(0)
-    b_flat = batch_of(spec, b, spec.b_batch).flat if spec.b_batch else iconst(0)
+    a_flat = batch_of(spec, b, spec.a_batch).flat if spec.a_batch and not folded else iconst(0)
+    b_flat = batch_of(spec, b, spec.b_batch).flat if spec.b_batch and not folded else iconst(0)
     ip, jp = ctx.var("ip", blk.mc // uk.mr), ctx.var("jp", blk.nc // uk.nr)
 
     a_start = add(i0, mul(ip, uk.mr))
@@ -90,19 +102,23 @@ def packed_gemm(ctx: StageCtx, spec: Contraction, packed_a: Packed | None = None
     if packed_a.in_place:
         call = update(replace(uk, lda=packed_a.ld), packed_a.buffer,
                       packed_a.offset(a_flat, k0, a_start))
-        full_rows = spec.m // uk.mr * uk.mr
-        if full_rows < spec.m:  # the last, partial panel: its rows copied into a local panel
+        full_rows = rows // uk.mr * uk.mr
+        if full_rows < rows:  # the last, partial panel: its rows copied into a local panel
             edge = ctx.name("ae")
             edge_decl = [ir.DeclArray(edge, spec.dtype, uk.mr * blk.kc)]
             edge_pack = [ir.If(index_compare("eq", rb, row_blocks - 1),
-                               _edge_panel(ctx, spec, edge, uk, full_rows, b, k0, kc))]
+                               _edge_panel(ctx, spec, edge, uk, (full_rows, rows), row_of, k0, kc))]
             call = ir.If(index_compare("lt", a_start, full_rows), [call],
                          [update(uk, edge, iconst(0))])
     else:
         call = update(uk, packed_a.buffer, packed_a.offset(a_flat, k0, a_start))
     # each micro-tile's results go through the epilogue right after its last update, from L1
-    epilogue = tile_epilogue(ctx, spec, blk.nc, tile, b, (i0, add(i0, mul(ip, uk.mr)), uk.mr),
-                             (j0, add(j0, mul(jp, uk.nr)), uk.nr))
+    if folded:
+        epilogue = _folded_epilogue(ctx, spec, blk.nc, tile, (i0, a_start, uk.mr, rows),
+                                    (j0, add(j0, mul(jp, uk.nr)), uk.nr), row_of)
+    else:
+        epilogue = tile_epilogue(ctx, spec, blk.nc, tile, b, (i0, a_start, uk.mr),
+                                 (j0, add(j0, mul(jp, uk.nr)), uk.nr))
     if k_blocks > 1:
         epilogue = ir.If(index_compare("eq", kb, k_blocks - 1), [epilogue])
     compute = ir.Loop(jp, iconst(0), col_panels,
@@ -114,15 +130,31 @@ def packed_gemm(ctx: StageCtx, spec: Contraction, packed_a: Packed | None = None
                        grain="one" if s.gemm_omp_schedule == "dynamic" else "even")],
               bt * spec.m * spec.n * spec.k)
     ctx.info.update(form="packed", micro_kernel=f"{uk.mr}x{uk.nr}", vector_bytes=uk.vector_bytes,
-                    mc=blk.mc, nc=blk.nc, kc=blk.kc, tasks=tasks)
+                    mc=blk.mc, nc=blk.nc, kc=blk.kc, tasks=tasks, product_rows=rows)
 
 
-def _edge_panel(ctx: StageCtx, spec: Contraction, edge: str, uk: MicroKernel, first_row: int,
-                b: Expr, k0: Expr, kc: Expr) -> list[ir.Stmt]:
-    """edge[k·mr + r] = A[first_row + r, k0 + k] for the `kc` sums of the block, the rows past M
-    repeating the last one (their results are never stored)."""
+def _edge_panel(ctx: StageCtx, spec: Contraction, edge: str, uk: MicroKernel,
+                extent: tuple[int, int], row_of: Callable[[Expr], tuple[Expr, Expr]], k0: Expr,
+                kc: Expr) -> list[ir.Stmt]:
+    """edge[k·mr + r] = A[first + r, k0 + k] for the `kc` sums of the block, `extent` = (first,
+    rows); the rows past the product's repeat its last one (their results are never stored)."""
+    first, rows = extent
     r, k = ctx.var("r", uk.mr), ctx.var("k", spec.k)
-    row = imin(add(iconst(first_row), r), iconst(spec.m - 1))
-    value = spec.a(batch_of(spec, b, spec.a_batch), row, add(k0, k))
+    batch, row = row_of(imin(add(iconst(first), r), iconst(rows - 1)))
+    value = spec.a(batch_of(spec, batch, spec.a_batch), row, add(k0, k))
     return [ir.Loop(r, iconst(0), iconst(uk.mr), [
         ir.Loop(k, iconst(0), kc, [ir.ArrayStore(edge, add(mul(k, uk.mr), r), value)], simd=True)])]
+
+
+def _folded_epilogue(ctx: StageCtx, spec: Contraction, ldc: int, tile: str,
+                     rows: tuple[Expr, Expr, int, int], cols: tuple[Expr, Expr, int],
+                     row_of: Callable[[Expr], tuple[Expr, Expr]]) -> ir.Loop:
+    """`tile_epilogue` for a product whose rows run across the batch: (block start, tile start,
+    tile rows, product rows); each row's batch and row within it found once per row."""
+    (i0, i_lo, mr, total_rows), (j0, j_lo, nr) = rows, cols
+    g, j = ctx.var("g", total_rows), ctx.var("j", spec.n)
+    batch, i = row_of(g)
+    total = array_load(tile, spec.dtype, add(mul(sub(g, i0), ldc), sub(j, j0)))
+    stmts = results(ctx, spec, total, batch, i, j)
+    return ir.Loop(g, i_lo, imin(add(i_lo, mr), iconst(total_rows)), [
+        ir.Loop(j, j_lo, imin(add(j_lo, nr), iconst(spec.n)), stmts, simd=True)])

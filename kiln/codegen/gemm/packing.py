@@ -40,6 +40,7 @@ class Packed:
     offset: Callable[[Expr, Expr, Expr], Expr]
     ld: int
     in_place: bool = False  # A's rows read where they are (row-major, `ld` apart), not panels
+    batch_ld: int = 0  # in place: how far one batch's rows start from the previous one's (0: one)
 
 
 def panel_layout(buffer: str, panels: int, k: int, unit: int) -> Packed:
@@ -101,8 +102,9 @@ def a_rows_in_place(ctx: StageCtx, spec: Contraction, side: OperandSide) -> Pack
         return None
     offset = probe.args[0]
     ctx.info["a_operand"] = "read in place"
+    batch_ld = stride_of(probe, pb) if math.prod(side.batch) > 1 else 0
     return Packed(probe.name, lambda b, k0, i0: substitute(offset, {pb: b, pk: k0, px: i0}), lda,
-                  in_place=True)
+                  in_place=True, batch_ld=batch_ld or 0)
 
 
 def scratch_panels(ctx: StageCtx, spec: Contraction, side: OperandSide, unit: int) -> Packed:
