@@ -66,22 +66,25 @@ def test_matmul_constant_weights_every_micro_kernel(tile):
 @given(batch=st.sampled_from([(), (3,), (2, 1)]), m=st.integers(4, 30), k=st.integers(1, 20),
        n=st.integers(8, 40), tile=st.sampled_from(TILES))
 def test_batched_matmul_of_activations(batch, m, k, n, tile):
-    """B computed at run time (packed into scratch), broadcast over A's batch."""
+    """B computed at run time (packed into scratch: its prologue evaluated once), broadcast over
+    A's batch."""
     spec = {"a": ((*batch, m, k), "float32"), "b": ((k, n), "float32")}
     nodes = [helper.make_node("Relu", ["b"], ["rb"]), helper.make_node("MatMul", ["a", "rb"], ["y"])]
     kernels = run_with(model(nodes, spec, ["y"]), spec, small_blocks(tile))
-    assert "packed" in forms(kernels)
+    stage = next(s for k in kernels for s in k.schedule["stages"] if s.get("form") == "packed")
+    assert stage["b_operand"] == "packed in scratch rows"
 
 
 @pytest.mark.parametrize("tile", TILES, ids=lambda t: f"{t[1]}x{t[2]}v{t[0]}")
 def test_activation_operand_read_in_place_or_copied_to_rows(tile):
-    """B rows that are whole panels are read where they are; others are copied into padded rows."""
+    """B rows that are whole panels are read where they are; others are copied block by block by
+    the GEMM's tasks, past N padded to whole panels."""
     n = 48
     spec = {"a": ((2, 13, 10), "float32"), "b": ((2, 10, n), "float32")}
     kernels = run_with(model([helper.make_node("MatMul", ["a", "b"], ["y"])], spec, ["y"]), spec,
                        small_blocks(tile))
     stage = next(s for k in kernels for s in k.schedule["stages"] if s.get("form") == "packed")
-    want = "read in place" if n % tile[2] == 0 else "packed in scratch rows"
+    want = "read in place" if n % tile[2] == 0 else "copied by the tasks"
     assert stage["b_operand"] == want
 
 
@@ -141,6 +144,18 @@ def test_attention_scores_transposed_operand():
              helper.make_node("Softmax", ["s"], ["y"], axis=-1)]
     kernels = run_with(model(nodes, spec, ["y"]), spec, small_blocks(TILES[1]))
     assert "packed" in forms(kernels)
+
+
+@pytest.mark.parametrize("tile", TILES, ids=lambda t: f"{t[1]}x{t[2]}v{t[0]}")
+def test_transposed_activation_b_is_copied_by_the_tasks(tile):
+    """Q·Kᵀ: B contiguous along the sum is copied block by block (slices of the sum, ragged
+    columns) by the tasks that read it."""
+    spec = {"q": ((2, 3, 17, 12), "float32"), "k": ((2, 3, 19, 12), "float32")}
+    nodes = [helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
+             helper.make_node("MatMul", ["q", "kt"], ["y"])]
+    kernels = run_with(model(nodes, spec, ["y"]), spec, small_blocks(tile))
+    stage = next(s for k in kernels for s in k.schedule["stages"] if s.get("form") == "packed")
+    assert stage["b_operand"] == "copied by the tasks"
 
 
 def test_gemm_transposed_weights_alpha_beta():

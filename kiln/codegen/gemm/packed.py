@@ -28,12 +28,18 @@ from kiln.codegen.gemm.packing import (
     OperandSide,
     Packed,
     a_rows_in_place,
+    b_block_copy,
+    b_copied_by_tasks,
     b_rows,
     constant_panels,
     scratch_panels,
 )
 from kiln.codegen.gemm.group import group_gemm
 from kiln.codegen.gemm.spec import Contraction, batch_of, results, tile_epilogue
+
+# The most a task copies of B into a local array (a quarter of a 1 MiB L2, as intensive fusion's
+# tiles): larger blocks of a run-time B are copied once by a stage of their own.
+TASK_COPY_BYTES = 1 << 18
 
 
 def micro_kernel(ctx: StageCtx, dtype: str) -> MicroKernel:
@@ -59,7 +65,8 @@ def packed_gemm(ctx: StageCtx, spec: Contraction, packed_a: Packed | None = None
     b_side = OperandSide("b", lambda bi, j, k: spec.b(bi, k, j), spec.b_batch, spec.n)
     packed_a = (packed_a or constant_panels(ctx, spec, a, uk.mr) or a_rows_in_place(ctx, spec, a)
                 or scratch_panels(ctx, spec, a, uk.mr))
-    packed_b = constant_panels(ctx, spec, b_side, uk.nr) or b_rows(ctx, spec, b_side, uk.nr)
+    packed_b = constant_panels(ctx, spec, b_side, uk.nr)
+    copied_by_tasks = packed_b is None and b_copied_by_tasks(ctx, spec, b_side, uk.nr)
     bt = math.prod(spec.batch)
     # one weight matrix for a batch of row-major A whose batches follow each other: one product
     # of batch × M rows (no partial panel per batch; ConvNeXt's 7 × 7 × 768 is 49 rows, not 7 × 7)
@@ -67,6 +74,9 @@ def packed_gemm(ctx: StageCtx, spec: Contraction, packed_a: Packed | None = None
               and math.prod(spec.b_batch) <= 1 and packed_a.batch_ld == spec.m * packed_a.ld)
     rows, batches = (bt * spec.m, 1) if folded else (spec.m, bt)
     blk = blocking(rows, spec.n, spec.k, batches, uk, s.gemm_mc, s.gemm_nc, s.gemm_kc)
+    itemsize = 4 if spec.dtype == "float32" else 8
+    copied_by_tasks = copied_by_tasks and blk.kc * blk.nc * itemsize <= TASK_COPY_BYTES
+    packed_b = packed_b or (None if copied_by_tasks else b_rows(ctx, spec, b_side, uk.nr))
     row_blocks, col_blocks, k_blocks = (-(-rows // blk.mc), -(-spec.n // blk.nc),
                                         -(-spec.k // blk.kc))
     tasks = batches * row_blocks * col_blocks
@@ -89,6 +99,13 @@ def packed_gemm(ctx: StageCtx, spec: Contraction, packed_a: Packed | None = None
     ip, jp = ctx.var("ip", blk.mc // uk.mr), ctx.var("jp", blk.nc // uk.nr)
 
     a_start = add(i0, mul(ip, uk.mr))
+    b_copy: list[ir.Stmt] = []
+    if copied_by_tasks:  # the task's block of B, copied for each slice of the sum
+        copy = ctx.name("bc")
+        b_copy = b_block_copy(ctx, spec, copy, blk.nc, batch_of(spec, b, spec.b_batch), (k0, kc),
+                              j0)
+        packed_b = Packed(copy, lambda _b, _k0, j: sub(j, j0), blk.nc)
+        ctx.info["b_operand"] = "copied by the tasks"
     b_offset = packed_b.offset(b_flat, k0, add(j0, mul(jp, uk.nr)))
     c_offset = add(mul(ip, uk.mr * blk.nc), mul(jp, uk.nr))
     accumulate = index_compare("gt", kb, 0) if k_blocks > 1 else const(False, "bool")
@@ -123,8 +140,9 @@ def packed_gemm(ctx: StageCtx, spec: Contraction, packed_a: Packed | None = None
         epilogue = ir.If(index_compare("eq", kb, k_blocks - 1), [epilogue])
     compute = ir.Loop(jp, iconst(0), col_panels,
                       [ir.Loop(ip, iconst(0), row_panels, [call, epilogue])])
-    body = [ir.DeclArray(tile, spec.dtype, blk.mc * blk.nc), *edge_decl,
-            ir.Loop(kb, iconst(0), iconst(k_blocks), [*edge_pack, compute])]
+    copy_decl = [ir.DeclArray(packed_b.buffer, spec.dtype, blk.kc * blk.nc)] if b_copy else []
+    body = [ir.DeclArray(tile, spec.dtype, blk.mc * blk.nc), *edge_decl, *copy_decl,
+            ir.Loop(kb, iconst(0), iconst(k_blocks), [*edge_pack, *b_copy, compute])]
     ctx.stage(f"contraction {ctx.op.op_type} ({ctx.op.id}), packed GEMM",
               [ir.Loop(p, iconst(0), iconst(tasks), body, parallel=1,
                        grain="one" if s.gemm_omp_schedule == "dynamic" else "even")],

@@ -159,3 +159,32 @@ def b_rows(ctx: StageCtx, spec: Contraction, side: OperandSide, nr: int) -> Pack
               [ir.Loop(q, iconst(0), iconst(nb * spec.k), rows, parallel=1)], nb * spec.k * ld)
     ctx.info["b_operand"] = "packed in scratch rows"
     return Packed(name, lambda b, k0, j0: add(mul(add(mul(b, spec.k), k0), ld), j0), ld)
+
+
+def b_copied_by_tasks(ctx: StageCtx, spec: Contraction, side: OperandSide, nr: int) -> bool:
+    """Whether a run-time B that `b_rows` would copy is instead copied block by block by the GEMM's
+    own tasks (`b_block_copy`): a plain matrix, contiguous along its rows or columns (attention's
+    ragged or transposed operands), so that no stage of its own runs (and meets its threads) to
+    copy it; a prologue with arithmetic or a gather (im2col) is still evaluated once, by `b_rows`."""
+    probe, _, pj, pk = side.probes(ctx, spec.k)
+    if probe.op != "load":
+        return False
+    along_j, along_k = stride_of(probe, pj), stride_of(probe, pk)
+    in_place = along_j == 1 and along_k is not None and along_k >= spec.n and spec.n % nr == 0
+    return not in_place and (along_j == 1 or along_k == 1)
+
+
+def b_block_copy(ctx: StageCtx, spec: Contraction, name: str, ld: int, batch: Index,
+                 sums: tuple[Expr, Expr], j0: Expr) -> list[ir.Stmt]:
+    """name[k·ld + j] = B[k0 + k, j0 + j] for k < kc, j < ld, `sums` = (k0, kc); the columns past
+    N repeat the last one (their results are never stored). The inner loop runs along B's
+    contiguous axis."""
+    k0, kc = sums
+    k, j = ctx.var("k", spec.k), ctx.var("j", ld)
+    value = spec.b(batch, add(k0, k), imin(add(j0, j), iconst(spec.n - 1)))
+    store = ir.ArrayStore(name, add(mul(k, ld), j), value)
+    probe, _, pj, _ = OperandSide("b", lambda bi, jj, kk: spec.b(bi, kk, jj), spec.b_batch,
+                                  spec.n).probes(ctx, spec.k)
+    if stride_of(probe, pj) == 1:
+        return [ir.Loop(k, iconst(0), kc, [ir.Loop(j, iconst(0), iconst(ld), [store], simd=True)])]
+    return [ir.Loop(j, iconst(0), iconst(ld), [ir.Loop(k, iconst(0), kc, [store], simd=True)])]
