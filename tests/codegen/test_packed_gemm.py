@@ -128,6 +128,25 @@ def test_weights_times_a_batch_of_rows_is_one_product(tile):
     assert stage["product_rows"] == 7
 
 
+@pytest.mark.parametrize("tile", TILES, ids=lambda t: f"{t[1]}x{t[2]}v{t[0]}")
+def test_whole_tiles_of_a_plain_product_are_stored_by_the_micro_kernel(tile):
+    """Without an epilogue, whole micro-tiles accumulate in the output itself over the slices of
+    the sum (the ragged ones still go through a local tile); with one (a bias) every tile does."""
+    spec = {"a": ((2, 17, 13), "float32")}
+    w = np.random.default_rng(8).standard_normal((13, 37)).astype(np.float32)
+    bias = np.random.default_rng(9).standard_normal(37).astype(np.float32)
+
+    def packed_stage(nodes, inits):
+        kernels = run_with(model(nodes, spec, ["y"], inits), spec, small_blocks(tile))
+        return next(s for k in kernels for s in k.schedule["stages"] if s.get("form") == "packed")
+
+    plain = packed_stage([helper.make_node("MatMul", ["a", "w"], ["y"])], {"w": w})
+    assert plain["whole_tiles"] == "stored by the micro-kernel"
+    biased = packed_stage([helper.make_node("MatMul", ["a", "w"], ["h"]),
+                           helper.make_node("Add", ["h", "bias"], ["y"])], {"w": w, "bias": bias})
+    assert "whole_tiles" not in biased
+
+
 def test_matrix_vector_products_are_dot_products():
     """One output column would waste all but one lane of each micro-kernel vector."""
     spec = {"x": ((1, 40, 1, 1), "float32")}

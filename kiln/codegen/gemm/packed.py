@@ -17,9 +17,12 @@ from kiln.codegen.expr import (
     iconst,
     imin,
     index_compare,
+    load,
+    logical_and,
     modulo,
     mul,
     sub,
+    substitute,
 )
 from kiln.codegen.indexing import Index
 from kiln.codegen.gemm.blocking import blocking
@@ -35,7 +38,7 @@ from kiln.codegen.gemm.packing import (
     scratch_panels,
 )
 from kiln.codegen.gemm.group import group_gemm
-from kiln.codegen.gemm.spec import Contraction, batch_of, results, tile_epilogue
+from kiln.codegen.gemm.spec import Contraction, batch_of, results, stride_of, tile_epilogue
 
 # The most a task copies of B into a local array (a quarter of a 1 MiB L2, as intensive fusion's
 # tiles): larger blocks of a run-time B are copied once by a stage of their own.
@@ -117,8 +120,9 @@ def packed_gemm(ctx: StageCtx, spec: Contraction, packed_a: Packed | None = None
     edge_decl: list[ir.Stmt] = []
     edge_pack: list[ir.Stmt] = []
     if packed_a.in_place:
-        call = update(replace(uk, lda=packed_a.ld), packed_a.buffer,
-                      packed_a.offset(a_flat, k0, a_start))
+        a_whole = (replace(uk, lda=packed_a.ld), packed_a.buffer,
+                   packed_a.offset(a_flat, k0, a_start))
+        call = update(*a_whole)
         full_rows = rows // uk.mr * uk.mr
         if full_rows < rows:  # the last, partial panel: its rows copied into a local panel
             edge = ctx.name("ae")
@@ -128,18 +132,30 @@ def packed_gemm(ctx: StageCtx, spec: Contraction, packed_a: Packed | None = None
             call = ir.If(index_compare("lt", a_start, full_rows), [call],
                          [update(uk, edge, iconst(0))])
     else:
-        call = update(uk, packed_a.buffer, packed_a.offset(a_flat, k0, a_start))
+        a_whole = (uk, packed_a.buffer, packed_a.offset(a_flat, k0, a_start))
+        call = update(*a_whole)
     # each micro-tile's results go through the epilogue right after its last update, from L1
+    j_start = add(j0, mul(jp, uk.nr))
     if folded:
         epilogue = _folded_epilogue(ctx, spec, blk.nc, tile, (i0, a_start, uk.mr, rows),
-                                    (j0, add(j0, mul(jp, uk.nr)), uk.nr), row_of)
+                                    (j0, j_start, uk.nr), row_of)
     else:
         epilogue = tile_epilogue(ctx, spec, blk.nc, tile, b, (i0, a_start, uk.mr),
-                                 (j0, add(j0, mul(jp, uk.nr)), uk.nr))
+                                 (j0, j_start, uk.nr))
     if k_blocks > 1:
         epilogue = ir.If(index_compare("eq", kb, k_blocks - 1), [epilogue])
-    compute = ir.Loop(jp, iconst(0), col_panels,
-                      [ir.Loop(ip, iconst(0), row_panels, [call, epilogue])])
+    tile_update: list[ir.Stmt] = [call, epilogue]
+    output = _output_rows(ctx, spec, None if folded else b)
+    if output is not None:  # whole micro-tiles update the output itself: no copy through L1
+        buffer, at, ldc = output
+        kernel, a_buffer, a_offset = a_whole
+        whole = logical_and(index_compare("le", add(a_start, uk.mr), rows),
+                            index_compare("le", add(j_start, uk.nr), spec.n))
+        direct = ir.MicroKernelCall(kernel, kc, a_buffer, a_offset, packed_b.buffer, b_offset,
+                                    packed_b.ld, buffer, at(a_start, j_start), ldc, accumulate)
+        tile_update = [ir.If(whole, [direct], tile_update)]
+        ctx.info["whole_tiles"] = "stored by the micro-kernel"
+    compute = ir.Loop(jp, iconst(0), col_panels, [ir.Loop(ip, iconst(0), row_panels, tile_update)])
     copy_decl = [ir.DeclArray(packed_b.buffer, spec.dtype, blk.kc * blk.nc)] if b_copy else []
     body = [ir.DeclArray(tile, spec.dtype, blk.mc * blk.nc), *edge_decl, *copy_decl,
             ir.Loop(kb, iconst(0), iconst(k_blocks), [*edge_pack, *b_copy, compute])]
@@ -176,3 +192,28 @@ def _folded_epilogue(ctx: StageCtx, spec: Contraction, ldc: int, tile: str,
     stmts = results(ctx, spec, total, batch, i, j)
     return ir.Loop(g, i_lo, imin(add(i_lo, mr), iconst(total_rows)), [
         ir.Loop(j, j_lo, imin(add(j_lo, nr), iconst(spec.n)), stmts, simd=True)])
+
+
+def _output_rows(ctx: StageCtx, spec: Contraction,
+                 b: Expr | None) -> tuple[str, Callable[[Expr, Expr], Expr], int] | None:
+    """Where a micro-kernel can leave whole tiles itself: when the epilogue only stores each sum,
+    unchanged, into one output whose rows are contiguous, (buffer, offset of (row, column) in
+    batch `b`, row stride); b None: rows run across the batch (a folded product), so one batch's
+    rows must follow the previous one's. None when anything else happens to the results (bias,
+    activation, another layout)."""
+    batch = ctx.var("pb", math.prod(spec.batch)) if b is None else b
+    i, j = ctx.var("i", spec.m), ctx.var("j", spec.n)
+    total = array_load(ctx.name("sum"), spec.dtype, iconst(0))
+    stmts = results(ctx, spec, total, batch, i, j)
+    if (len(stmts) != 2 or not isinstance(stmts[0], ir.Let) or stmts[0].value is not total
+            or not isinstance(stmts[1], ir.Store) or stmts[1].value is not stmts[0].local):
+        return None
+    store = stmts[1]
+    probe = load(store.buffer, spec.dtype, store.offset)
+    row = stride_of(probe, i) if spec.m > 1 else spec.n
+    if stride_of(probe, j) != 1 or row is None or row < spec.n:
+        return None
+    if b is None and stride_of(probe, batch) != spec.m * row:
+        return None
+    fixed = {batch: iconst(0)} if b is None else {}
+    return store.buffer, lambda x, y: substitute(store.offset, {**fixed, i: x, j: y}), row
