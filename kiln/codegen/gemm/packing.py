@@ -1,6 +1,7 @@
 """Packing GEMM operands into the panels the micro-kernel reads: constants at compile time,
+plain run-time matrices read in place (or B copied block by block by the GEMM's tasks), other
 run-time operands once per call by a parallel loop nest (their fused prologue evaluated once per
-element), or read in place."""
+element)."""
 from __future__ import annotations
 
 import math
