@@ -4,7 +4,9 @@ GCC vector extensions (the C backend's micro-kernel provider; another backend br
 One generator serves every ISA: a micro-kernel updates an `mr` × `nr` tile of C held in
 `mr · nr / lanes` vector registers, for `kc` steps of the sum, from packed operands:
 
-* A panel: `kc` × `mr`, row index fastest (`a[k·mr + r]`), broadcast one scalar at a time;
+* A panel: `kc` × `mr`, row index fastest (`a[k·mr + r]`), broadcast one scalar at a time; or,
+  for a kernel with a nonzero `lda`, A's rows read in place (`a[r·lda + k]`: a row-major operand
+  needs no packing, the broadcasts read its rows wherever they are);
 * B panel: `kc` rows of `nr` contiguous columns, `ldb` apart (`b[k·ldb + c]`: `ldb = nr` for a
   packed panel, the padded row length for a row-major operand), loaded as `nr / lanes` vectors;
 * C tile: row-major with leading dimension `ldc`, loaded (when `accumulate`) and stored once.
@@ -41,6 +43,9 @@ class MicroKernel:
     vector_bytes: int
     indirect: bool = False  # B rows at b + rows[k] (an int32 offset table), not b + k·ldb
     local: bool = False  # A and B in a GPU work-group's local memory (`kiln.codegen.gemm.group`)
+    # 0: A in packed panels; > 0: A row-major, rows `lda` elements apart (a compile-time constant,
+    # so every row's broadcast addresses off one pointer)
+    lda: int = 0
 
     @property
     def scalar(self) -> str:
@@ -52,7 +57,8 @@ class MicroKernel:
 
     @property
     def function(self) -> str:
-        kind = ("ind_" if self.indirect else "") + ("loc_" if self.local else "")
+        kind = (("ind_" if self.indirect else "") + ("loc_" if self.local else "")
+                + (f"a{self.lda}_" if self.lda else ""))
         return f"kiln_ukr_{kind}{self.dtype}_{self.mr}x{self.nr}_v{self.vector_bytes}"
 
 
@@ -108,7 +114,8 @@ def register_tile_body(k: MicroKernel, vec: str, index: str, load: Callable[[str
     lines += [f"    const {vec} b{v} = {load(f'b + {row} + {v * lanes}')};"
               for v in range(vectors)]
     for r in range(k.mr):
-        lines.append(f"    {{ const {k.scalar} a{r} = a[k * {k.mr} + {r}];")
+        element = f"a[{r * k.lda} + k]" if k.lda else f"a[k * {k.mr} + {r}]"
+        lines.append(f"    {{ const {k.scalar} a{r} = {element};")
         lines.extend(f"      {acc[r][v]} += a{r} * b{v};" for v in range(vectors))
         lines.append("    }")
     lines.append("  }")

@@ -66,23 +66,85 @@ def test_matmul_constant_weights_every_micro_kernel(tile):
 @given(batch=st.sampled_from([(), (3,), (2, 1)]), m=st.integers(4, 30), k=st.integers(1, 20),
        n=st.integers(8, 40), tile=st.sampled_from(TILES))
 def test_batched_matmul_of_activations(batch, m, k, n, tile):
-    """B computed at run time (packed into scratch), broadcast over A's batch."""
+    """B computed at run time (packed into scratch: its prologue evaluated once), broadcast over
+    A's batch."""
     spec = {"a": ((*batch, m, k), "float32"), "b": ((k, n), "float32")}
     nodes = [helper.make_node("Relu", ["b"], ["rb"]), helper.make_node("MatMul", ["a", "rb"], ["y"])]
     kernels = run_with(model(nodes, spec, ["y"]), spec, small_blocks(tile))
-    assert "packed" in forms(kernels)
+    stage = next(s for k in kernels for s in k.schedule["stages"] if s.get("form") == "packed")
+    assert stage["b_operand"] == "packed in scratch rows"
 
 
 @pytest.mark.parametrize("tile", TILES, ids=lambda t: f"{t[1]}x{t[2]}v{t[0]}")
 def test_activation_operand_read_in_place_or_copied_to_rows(tile):
-    """B rows that are whole panels are read where they are; others are copied into padded rows."""
+    """B rows that are whole panels are read where they are; others are copied block by block by
+    the GEMM's tasks, past N padded to whole panels."""
     n = 48
     spec = {"a": ((2, 13, 10), "float32"), "b": ((2, 10, n), "float32")}
     kernels = run_with(model([helper.make_node("MatMul", ["a", "b"], ["y"])], spec, ["y"]), spec,
                        small_blocks(tile))
     stage = next(s for k in kernels for s in k.schedule["stages"] if s.get("form") == "packed")
-    want = "read in place" if n % tile[2] == 0 else "packed in scratch rows"
+    want = "read in place" if n % tile[2] == 0 else "copied by the tasks"
     assert stage["b_operand"] == want
+
+
+@pytest.mark.parametrize("tile", TILES, ids=lambda t: f"{t[1]}x{t[2]}v{t[0]}")
+@pytest.mark.parametrize("m", [4, 13, 24])
+def test_activation_a_read_in_place_with_a_partial_last_panel(tile, m):
+    """A row-major run-time A is read where it is by a row-reading micro-kernel, its last partial
+    panel (or a whole A shorter than a panel) through a local copy, over several blocks of the
+    sum and a batch; an A with arithmetic before the product is still packed once."""
+    spec = {"a": ((3, m, 11), "float32"), "w": ((11, 21), "float32")}
+    w = np.random.default_rng(4).standard_normal((11, 21)).astype(np.float32)
+    plain = model([helper.make_node("MatMul", ["a", "w"], ["y"])], {"a": spec["a"]}, ["y"],
+                  {"w": w})
+    kernels = run_with(plain, {"a": spec["a"]}, small_blocks(tile))
+    stage = next(s for k in kernels for s in k.schedule["stages"] if s.get("form") == "packed")
+    assert stage["a_operand"] == "read in place"
+    nodes = [helper.make_node("Relu", ["a"], ["ra"]), helper.make_node("MatMul", ["ra", "w"], ["y"])]
+    kernels = run_with(model(nodes, {"a": spec["a"]}, ["y"], {"w": w}), {"a": spec["a"]},
+                       small_blocks(tile))
+    stage = next(s for k in kernels for s in k.schedule["stages"] if s.get("form") == "packed")
+    assert stage["a_operand"] == "packed in scratch"
+
+
+@pytest.mark.parametrize("tile", TILES, ids=lambda t: f"{t[1]}x{t[2]}v{t[0]}")
+def test_weights_times_a_batch_of_rows_is_one_product(tile):
+    """A batch of row-major A times one weight matrix runs as one product of batch × M rows (a
+    micro-tile spans two batches), through the fused epilogue; a batched B keeps the batches."""
+    spec = {"a": ((2, 5, 7, 9), "float32")}
+    rng = np.random.default_rng(7)
+    w, bias = (rng.standard_normal((9, 19)).astype(np.float32),
+               rng.standard_normal(19).astype(np.float32))
+    m = model([helper.make_node("MatMul", ["a", "w"], ["h"]),
+               helper.make_node("Add", ["h", "bias"], ["y"])], spec, ["y"], {"w": w, "bias": bias})
+    kernels = run_with(m, spec, small_blocks(tile))
+    stage = next(s for k in kernels for s in k.schedule["stages"] if s.get("form") == "packed")
+    assert stage["product_rows"] == 70
+    spec = {"a": ((5, 7, 9), "float32"), "b": ((5, 9, 19), "float32")}
+    kernels = run_with(model([helper.make_node("MatMul", ["a", "b"], ["y"])], spec, ["y"]), spec,
+                       small_blocks(tile))
+    stage = next(s for k in kernels for s in k.schedule["stages"] if s.get("form") == "packed")
+    assert stage["product_rows"] == 7
+
+
+@pytest.mark.parametrize("tile", TILES, ids=lambda t: f"{t[1]}x{t[2]}v{t[0]}")
+def test_whole_tiles_of_a_plain_product_are_stored_by_the_micro_kernel(tile):
+    """Without an epilogue, whole micro-tiles accumulate in the output itself over the slices of
+    the sum (the ragged ones still go through a local tile); with one (a bias) every tile does."""
+    spec = {"a": ((2, 17, 13), "float32")}
+    w = np.random.default_rng(8).standard_normal((13, 37)).astype(np.float32)
+    bias = np.random.default_rng(9).standard_normal(37).astype(np.float32)
+
+    def packed_stage(nodes, inits):
+        kernels = run_with(model(nodes, spec, ["y"], inits), spec, small_blocks(tile))
+        return next(s for k in kernels for s in k.schedule["stages"] if s.get("form") == "packed")
+
+    plain = packed_stage([helper.make_node("MatMul", ["a", "w"], ["y"])], {"w": w})
+    assert plain["whole_tiles"] == "stored by the micro-kernel"
+    biased = packed_stage([helper.make_node("MatMul", ["a", "w"], ["h"]),
+                           helper.make_node("Add", ["h", "bias"], ["y"])], {"w": w, "bias": bias})
+    assert "whole_tiles" not in biased
 
 
 def test_matrix_vector_products_are_dot_products():
@@ -101,6 +163,18 @@ def test_attention_scores_transposed_operand():
              helper.make_node("Softmax", ["s"], ["y"], axis=-1)]
     kernels = run_with(model(nodes, spec, ["y"]), spec, small_blocks(TILES[1]))
     assert "packed" in forms(kernels)
+
+
+@pytest.mark.parametrize("tile", TILES, ids=lambda t: f"{t[1]}x{t[2]}v{t[0]}")
+def test_transposed_activation_b_is_copied_by_the_tasks(tile):
+    """Q·Kᵀ: B contiguous along the sum is copied block by block (slices of the sum, ragged
+    columns) by the tasks that read it."""
+    spec = {"q": ((2, 3, 17, 12), "float32"), "k": ((2, 3, 19, 12), "float32")}
+    nodes = [helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
+             helper.make_node("MatMul", ["q", "kt"], ["y"])]
+    kernels = run_with(model(nodes, spec, ["y"]), spec, small_blocks(tile))
+    stage = next(s for k in kernels for s in k.schedule["stages"] if s.get("form") == "packed")
+    assert stage["b_operand"] == "copied by the tasks"
 
 
 def test_gemm_transposed_weights_alpha_beta():

@@ -3,13 +3,18 @@
 Every contraction lowers to one loop nest over C[b, i, j] = Σ_k A[b, i, k] · B[b, k, j]:
 
 * `packed` (float contractions of at least `gemm_min_m` rows and `gemm_min_n` columns): a
-  GotoBLAS-style GEMM. A is packed into panels of `mr` rows and B into panels of `nr` columns —
-  at compile time when constant (weights are pre-packed), else once per call by a parallel loop
-  nest that evaluates the operand's fused prologue once per element (an implicit-GEMM
-  convolution's im2col happens there). Each parallel task owns a cache block of `mc` rows ×
-  `nc` columns and runs the register-blocked micro-kernel (`kiln.codegen.microkernel`) over its
-  panels for each slice of `kc` along the sum; each finished micro-tile goes through the fused
-  epilogue straight into the outputs while it is in L1. On GPU targets (`Schedule.gemm_work_group`)
+  GotoBLAS-style GEMM. A constant operand (weights) is packed at compile time, A into panels
+  of `mr` rows, B into panels of `nr` columns. A run-time A that is a plain row-major load is
+  read in place by a row-reading micro-kernel (a batch of such A times one weight matrix is one
+  product of batch × M rows); a run-time B that is a plain matrix is read in place when its rows
+  are whole panels, else copied block by block by the GEMM's own tasks; an operand with a fused
+  prologue (arithmetic, an implicit-GEMM convolution's im2col) is packed once per call by a
+  parallel loop nest that evaluates the prologue once per element. Each parallel task owns a
+  cache block of `mc` rows × `nc` columns and runs the register-blocked micro-kernel
+  (`kiln.codegen.microkernel`) over its panels for each slice of `kc` along the sum; each
+  finished micro-tile goes through the fused epilogue straight into the outputs while it is in
+  L1 (whole tiles of a product with no epilogue are accumulated in the output by the
+  micro-kernel itself). On GPU targets (`Schedule.gemm_work_group`)
   the same contractions run as the work-group tiled GEMM (`group`): tiles of A and B staged in
   a work-group's local memory, a register tile per work-item, the epilogue from registers.
 * `ikj`: parallel over (batch, block of `matmul_tile_m` rows); for each column tile of

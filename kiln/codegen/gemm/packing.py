@@ -1,6 +1,7 @@
 """Packing GEMM operands into the panels the micro-kernel reads: constants at compile time,
+plain run-time matrices read in place (or B copied block by block by the GEMM's tasks), other
 run-time operands once per call by a parallel loop nest (their fused prologue evaluated once per
-element), or read in place."""
+element)."""
 from __future__ import annotations
 
 import math
@@ -39,6 +40,8 @@ class Packed:
     buffer: str
     offset: Callable[[Expr, Expr, Expr], Expr]
     ld: int
+    in_place: bool = False  # A's rows read where they are (row-major, `ld` apart), not panels
+    batch_ld: int = 0  # in place: how far one batch's rows start from the previous one's (0: one)
 
 
 def panel_layout(buffer: str, panels: int, k: int, unit: int) -> Packed:
@@ -85,6 +88,24 @@ def array_panels(ctx: StageCtx, values: np.ndarray, unit: int) -> Packed:
     nb, rows, k = values.shape
     panelled = values.reshape(nb, rows // unit, unit, k).transpose(0, 1, 3, 2)
     return panel_layout(ctx.derived(np.ascontiguousarray(panelled)), rows // unit, k, unit)
+
+
+def a_rows_in_place(ctx: StageCtx, spec: Contraction, side: OperandSide) -> Packed | None:
+    """A run-time A that is a plain row-major load (contiguous along the sum, rows a constant
+    distance apart within a batch) read in place by a row-reading micro-kernel: packing it would
+    copy every element once per call for a reuse the broadcasts get from L1 anyway. None for any
+    other A (a fused prologue's arithmetic, a gather, a transposed read)."""
+    probe, pb, px, pk = side.probes(ctx, spec.k)
+    if probe.op != "load" or stride_of(probe, pk) != 1:
+        return None
+    lda = stride_of(probe, px) if side.extent > 1 else spec.k
+    if lda is None or lda < spec.k:
+        return None
+    offset = probe.args[0]
+    ctx.info["a_operand"] = "read in place"
+    batch_ld = stride_of(probe, pb) if math.prod(side.batch) > 1 else 0
+    return Packed(probe.name, lambda b, k0, i0: substitute(offset, {pb: b, pk: k0, px: i0}), lda,
+                  in_place=True, batch_ld=batch_ld or 0)
 
 
 def scratch_panels(ctx: StageCtx, spec: Contraction, side: OperandSide, unit: int) -> Packed:
@@ -139,3 +160,32 @@ def b_rows(ctx: StageCtx, spec: Contraction, side: OperandSide, nr: int) -> Pack
               [ir.Loop(q, iconst(0), iconst(nb * spec.k), rows, parallel=1)], nb * spec.k * ld)
     ctx.info["b_operand"] = "packed in scratch rows"
     return Packed(name, lambda b, k0, j0: add(mul(add(mul(b, spec.k), k0), ld), j0), ld)
+
+
+def b_copied_by_tasks(ctx: StageCtx, spec: Contraction, side: OperandSide, nr: int) -> bool:
+    """Whether a run-time B that `b_rows` would copy is instead copied block by block by the GEMM's
+    own tasks (`b_block_copy`): a plain matrix, contiguous along its rows or columns (attention's
+    ragged or transposed operands), so that no stage of its own runs (and meets its threads) to
+    copy it; a prologue with arithmetic or a gather (im2col) is still evaluated once, by `b_rows`."""
+    probe, _, pj, pk = side.probes(ctx, spec.k)
+    if probe.op != "load":
+        return False
+    along_j, along_k = stride_of(probe, pj), stride_of(probe, pk)
+    in_place = along_j == 1 and along_k is not None and along_k >= spec.n and spec.n % nr == 0
+    return not in_place and (along_j == 1 or along_k == 1)
+
+
+def b_block_copy(ctx: StageCtx, spec: Contraction, name: str, ld: int, batch: Index,
+                 sums: tuple[Expr, Expr], j0: Expr) -> list[ir.Stmt]:
+    """name[k·ld + j] = B[k0 + k, j0 + j] for k < kc, j < ld, `sums` = (k0, kc); the columns past
+    N repeat the last one (their results are never stored). The inner loop runs along B's
+    contiguous axis."""
+    k0, kc = sums
+    k, j = ctx.var("k", spec.k), ctx.var("j", ld)
+    value = spec.b(batch, add(k0, k), imin(add(j0, j), iconst(spec.n - 1)))
+    store = ir.ArrayStore(name, add(mul(k, ld), j), value)
+    probe, _, pj, _ = OperandSide("b", lambda bi, jj, kk: spec.b(bi, kk, jj), spec.b_batch,
+                                  spec.n).probes(ctx, spec.k)
+    if stride_of(probe, pj) == 1:
+        return [ir.Loop(k, iconst(0), kc, [ir.Loop(j, iconst(0), iconst(ld), [store], simd=True)])]
+    return [ir.Loop(j, iconst(0), iconst(ld), [ir.Loop(k, iconst(0), kc, [store], simd=True)])]
