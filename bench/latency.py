@@ -35,7 +35,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kiln.runtime.loader import openmp_wait_environment  # noqa: E402
+from kiln.runtime.openmp import openmp_wait_environment  # noqa: E402
 
 # torch (bench.zoo exports models with it) loads its libgomp.so.1 before any artifact, and the
 # artifacts' kernels then share it: give it the wait policy Kiln's loader gives its own.

@@ -23,10 +23,10 @@
  * ru_maxrss: Linux carries that over exec from the process that forked the runner.
  * Exit status: 0 on success, 2 for bad arguments or input files, 1 when the model fails.
  *
- * OpenMP's worker threads spin briefly between parallel regions, then sleep (GOMP_SPINCOUNT=1000)
- * unless OMP_WAIT_POLICY or GOMP_SPINCOUNT is set: long enough to bridge one kernel to the next,
- * short enough that a descheduled spinner does not stall a loaded machine (see OPENMP_WAIT in
- * kiln/runtime/loader.py).
+ * OpenMP's worker threads spin briefly between parallel regions, then sleep (GOMP_SPINCOUNT =
+ * KILN_GOMP_SPINCOUNT, defined ahead of this file from kiln/runtime/openmp.py, the loader's
+ * source too) unless OMP_WAIT_POLICY or GOMP_SPINCOUNT is set: long enough to bridge one kernel
+ * to the next, short enough that a descheduled spinner does not stall a loaded machine.
  */
 #include "kiln_model.h"
 
@@ -84,7 +84,7 @@ static void *alloc_buffer(size_t nbytes) {
  * first, and libgomp's constructor has none). */
 __attribute__((constructor(101))) static void default_wait_policy(void) {
     if (!getenv("OMP_WAIT_POLICY") && !getenv("GOMP_SPINCOUNT"))
-        setenv("GOMP_SPINCOUNT", "1000", 0);
+        setenv("GOMP_SPINCOUNT", KILN_GOMP_SPINCOUNT, 0);
 }
 
 /* ---- .npy files --------------------------------------------------------------------------- */
