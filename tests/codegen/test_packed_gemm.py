@@ -92,8 +92,8 @@ def test_activation_operand_read_in_place_or_copied_to_rows(tile):
 @pytest.mark.parametrize("m", [4, 13, 24])
 def test_activation_a_read_in_place_with_a_partial_last_panel(tile, m):
     """A row-major run-time A is read where it is by a row-reading micro-kernel, its last partial
-    panel (or a whole A shorter than a panel) through a local copy, over several blocks of the
-    sum and a batch; an A with arithmetic before the product is still packed once."""
+    panel (or a whole A shorter than a panel) by a kernel of that panel's rows, over several
+    blocks of the sum and a batch; an A with arithmetic before the product is still packed once."""
     spec = {"a": ((3, m, 11), "float32"), "w": ((11, 21), "float32")}
     w = np.random.default_rng(4).standard_normal((11, 21)).astype(np.float32)
     plain = model([helper.make_node("MatMul", ["a", "w"], ["y"])], {"a": spec["a"]}, ["y"],
@@ -101,11 +101,33 @@ def test_activation_a_read_in_place_with_a_partial_last_panel(tile, m):
     kernels = run_with(plain, {"a": spec["a"]}, small_blocks(tile))
     stage = next(s for k in kernels for s in k.schedule["stages"] if s.get("form") == "packed")
     assert stage["a_operand"] == "read in place"
+    edge_rows = 3 * m % tile[1]  # the batch's rows are one product of 3·m rows
+    assert stage.get("edge_micro_kernel") == (f"{edge_rows}x{tile[2]}" if edge_rows else None)
     nodes = [helper.make_node("Relu", ["a"], ["ra"]), helper.make_node("MatMul", ["ra", "w"], ["y"])]
     kernels = run_with(model(nodes, {"a": spec["a"]}, ["y"], {"w": w}), {"a": spec["a"]},
                        small_blocks(tile))
     stage = next(s for k in kernels for s in k.schedule["stages"] if s.get("form") == "packed")
     assert stage["a_operand"] == "packed in scratch"
+
+
+@settings(max_examples=12, deadline=None)
+@given(m=st.integers(4, 40), k=st.integers(1, 24), n=st.integers(8, 40),
+       epilogue=st.sampled_from(["none", "bias"]), tile=st.sampled_from(TILES))
+def test_partial_row_panel_by_a_kernel_of_its_rows(m, k, n, epilogue, tile):
+    """M not a multiple of the micro-kernel's rows: the last panel's rows, read in place by a
+    kernel of just those rows, through the epilogue or not, over several blocks of the sum."""
+    spec = {"a": ((m, k), "float32")}
+    rng = np.random.default_rng(m * 41 + k * 7 + n)
+    w, bias = (rng.standard_normal((k, n)).astype(np.float32),
+               rng.standard_normal(n).astype(np.float32))
+    nodes = [helper.make_node("MatMul", ["a", "w"], ["y" if epilogue == "none" else "h"])]
+    if epilogue == "bias":
+        nodes.append(helper.make_node("Add", ["h", "bias"], ["y"]))
+    kernels = run_with(model(nodes, spec, ["y"], {"w": w, "bias": bias}), spec,
+                       small_blocks(tile))
+    stage = next(s for k in kernels for s in k.schedule["stages"] if s.get("form") == "packed")
+    assert stage["a_operand"] == "read in place"
+    assert stage.get("edge_micro_kernel") == (f"{m % tile[1]}x{tile[2]}" if m % tile[1] else None)
 
 
 @pytest.mark.parametrize("tile", TILES, ids=lambda t: f"{t[1]}x{t[2]}v{t[0]}")

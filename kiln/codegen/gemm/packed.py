@@ -75,13 +75,12 @@ class _Product:
 @dataclass(frozen=True)
 class _Task:
     """One parallel task's loop variables and the expressions built on them: task `p` = (batch
-    `b`, row block `rb`, column block) starting at (`i0`, `j0`); slice `kb` of the sum, `kc` long
+    `b`, row block, column block) starting at (`i0`, `j0`); slice `kb` of the sum, `kc` long
     from `k0`; micro-tile (`ip`, `jp`) of the block at (`i`, `j`) of the product, in the local
     array `tile`."""
 
     p: Expr
     b: Expr
-    rb: Expr
     i0: Expr
     j0: Expr
     kb: Expr
@@ -108,8 +107,7 @@ def packed_gemm(ctx: StageCtx, spec: Contraction, packed_a: Packed | None = None
     b_copy: list[ir.Stmt] = []
     if product.b_by_tasks:
         b_copy, product = _b_copied_by_task(ctx, spec, product, task)
-    tile_update, edge_decl, edge_pack = _tile_update(ctx, spec, product, task)
-    _stage(ctx, spec, product, task, tile_update, edge_decl, [*edge_pack, *b_copy])
+    _stage(ctx, spec, product, task, _tile_update(ctx, spec, product, task), b_copy)
 
 
 def _product(ctx: StageCtx, spec: Contraction, uk: MicroKernel,
@@ -156,7 +154,7 @@ def _task(ctx: StageCtx, spec: Contraction, pr: _Product) -> _Task:
     def row_of(g: Expr) -> tuple[Expr, Expr]:
         return (floordiv(g, spec.m), modulo(g, spec.m)) if pr.folded else (b, g)
 
-    return _Task(p, b, rb, i0, j0, kb, k0, kc, ip, jp, add(i0, mul(ip, uk.mr)),
+    return _Task(p, b, i0, j0, kb, k0, kc, ip, jp, add(i0, mul(ip, uk.mr)),
                  add(j0, mul(jp, uk.nr)), tile, accumulate, row_of)
 
 
@@ -186,31 +184,24 @@ def _call(pr: _Product, t: _Task, b_offset: Expr, a: tuple[MicroKernel, str, Exp
                               *c, t.accumulate)
 
 
-def _tile_update(ctx: StageCtx, spec: Contraction, pr: _Product,
-                 t: _Task) -> tuple[list[ir.Stmt], list[ir.Stmt], list[ir.Stmt]]:
-    """(one micro-tile's update and epilogue, the task's declarations for the partial panel of A,
-    the statements that copy it for each slice of the sum)."""
+def _tile_update(ctx: StageCtx, spec: Contraction, pr: _Product, t: _Task) -> list[ir.Stmt]:
+    """One micro-tile's update and epilogue."""
     uk, blk = pr.uk, pr.blk
     a_flat, b_flat = _operand_batches(spec, pr, t)
     b_offset = pr.b.offset(b_flat, t.k0, t.j)
     into_tile = (t.tile, add(mul(t.ip, uk.mr * blk.nc), mul(t.jp, uk.nr)), blk.nc)
-    edge_decl: list[ir.Stmt] = []
-    edge_pack: list[ir.Stmt] = []
-    if pr.a.in_place:
-        a_whole = (replace(uk, lda=pr.a.ld), pr.a.buffer, pr.a.offset(a_flat, t.k0, t.i))
-        call = _call(pr, t, b_offset, a_whole, into_tile)
-        full_rows = pr.rows // uk.mr * uk.mr
-        if full_rows < pr.rows:  # the last, partial panel: its rows copied into a local panel
-            edge = ctx.name("ae")
-            edge_decl = [ir.DeclArray(edge, spec.dtype, uk.mr * blk.kc)]
-            edge_pack = [ir.If(index_compare("eq", t.rb, pr.blocks[0] - 1),
-                               _edge_panel(ctx, spec, edge, uk, (full_rows, pr.rows), t.row_of,
-                                           t.k0, t.kc))]
-            call = ir.If(index_compare("lt", t.i, full_rows), [call],
-                         [_call(pr, t, b_offset, (uk, edge, iconst(0)), into_tile)])
-    else:
-        a_whole = (uk, pr.a.buffer, pr.a.offset(a_flat, t.k0, t.i))
-        call = _call(pr, t, b_offset, a_whole, into_tile)
+    a_at = pr.a.offset(a_flat, t.k0, t.i)
+    a_whole = (replace(uk, lda=pr.a.ld) if pr.a.in_place else uk, pr.a.buffer, a_at)
+    call: ir.Stmt = _call(pr, t, b_offset, a_whole, into_tile)
+    full_rows = pr.rows // uk.mr * uk.mr
+    if pr.a.in_place and full_rows < pr.rows:
+        # the last, partial panel by a kernel of its rows, reading them in place: a whole
+        # panel's kernel would spend up to mr - 1 rows of FMAs on rows past the product (49 rows
+        # of 12-row panels are 60 rows' work)
+        edge = replace(uk, mr=pr.rows - full_rows, lda=pr.a.ld)
+        call = ir.If(index_compare("lt", t.i, full_rows), [call],
+                     [_call(pr, t, b_offset, (edge, pr.a.buffer, a_at), into_tile)])
+        ctx.info["edge_micro_kernel"] = f"{edge.mr}x{edge.nr}"
     tile_update: list[ir.Stmt] = [call, _epilogue(ctx, spec, pr, t)]
     output = _output_rows(ctx, spec, None if pr.folded else t.b)
     if output is not None:  # whole micro-tiles update the output itself: no copy through L1
@@ -220,7 +211,7 @@ def _tile_update(ctx: StageCtx, spec: Contraction, pr: _Product,
         direct = _call(pr, t, b_offset, a_whole, (buffer, at(t.i, t.j), ldc))
         tile_update = [ir.If(whole, [direct], tile_update)]
         ctx.info["whole_tiles"] = "stored by the micro-kernel"
-    return tile_update, edge_decl, edge_pack
+    return tile_update
 
 
 def _epilogue(ctx: StageCtx, spec: Contraction, pr: _Product, t: _Task) -> ir.Stmt:
@@ -237,7 +228,7 @@ def _epilogue(ctx: StageCtx, spec: Contraction, pr: _Product, t: _Task) -> ir.St
 
 
 def _stage(ctx: StageCtx, spec: Contraction, pr: _Product, t: _Task, tile_update: list[ir.Stmt],
-           decls: list[ir.Stmt], per_slice: list[ir.Stmt]) -> None:
+           per_slice: list[ir.Stmt]) -> None:
     """The parallel loop over tasks: for each slice of the sum, `per_slice` (copies of its
     operands), then every micro-tile of the block, column panels outermost."""
     uk, blk = pr.uk, pr.blk
@@ -250,7 +241,7 @@ def _stage(ctx: StageCtx, spec: Contraction, pr: _Product, t: _Task, tile_update
     compute = ir.Loop(t.jp, iconst(0), col_panels,
                       [ir.Loop(t.ip, iconst(0), row_panels, tile_update)])
     b_copied = [ir.DeclArray(pr.b.buffer, spec.dtype, blk.kc * blk.nc)] if pr.b_by_tasks else []
-    body = [ir.DeclArray(t.tile, spec.dtype, blk.mc * blk.nc), *decls, *b_copied,
+    body = [ir.DeclArray(t.tile, spec.dtype, blk.mc * blk.nc), *b_copied,
             ir.Loop(t.kb, iconst(0), iconst(k_blocks), [*per_slice, compute])]
     bt = math.prod(spec.batch)
     ctx.stage(f"contraction {ctx.op.op_type} ({ctx.op.id}), packed GEMM",
@@ -259,19 +250,6 @@ def _stage(ctx: StageCtx, spec: Contraction, pr: _Product, t: _Task, tile_update
               bt * spec.m * spec.n * spec.k)
     ctx.info.update(form="packed", micro_kernel=f"{uk.mr}x{uk.nr}", vector_bytes=uk.vector_bytes,
                     mc=blk.mc, nc=blk.nc, kc=blk.kc, tasks=tasks, product_rows=pr.rows)
-
-
-def _edge_panel(ctx: StageCtx, spec: Contraction, edge: str, uk: MicroKernel,
-                extent: tuple[int, int], row_of: Callable[[Expr], tuple[Expr, Expr]], k0: Expr,
-                kc: Expr) -> list[ir.Stmt]:
-    """edge[k·mr + r] = A[first + r, k0 + k] for the `kc` sums of the block, `extent` = (first,
-    rows); the rows past the product's repeat its last one (their results are never stored)."""
-    first, rows = extent
-    r, k = ctx.var("r", uk.mr), ctx.var("k", spec.k)
-    batch, row = row_of(imin(add(iconst(first), r), iconst(rows - 1)))
-    value = spec.a(batch_of(spec, batch, spec.a_batch), row, add(k0, k))
-    return [ir.Loop(r, iconst(0), iconst(uk.mr), [
-        ir.Loop(k, iconst(0), kc, [ir.ArrayStore(edge, add(mul(k, uk.mr), r), value)], simd=True)])]
 
 
 def _folded_epilogue(ctx: StageCtx, spec: Contraction, ldc: int, tile: str,
