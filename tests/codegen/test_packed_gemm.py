@@ -178,6 +178,25 @@ def test_matrix_vector_products_are_dot_products():
     assert "packed" not in forms(kernels) and "dot" in forms(kernels)
 
 
+@settings(max_examples=12, deadline=None)
+@given(m=st.integers(1, 3), k=st.integers(1, 40), n=st.integers(8, 70), trans_b=st.booleans(),
+       width=st.sampled_from([8, 16, 64]))
+def test_few_rows_times_constant_weights_stream_column_panels(m, k, n, trans_b, width):
+    """Too few rows for the packed GEMM (a matrix-vector product): the weights, plain or
+    transposed, are gathered into panels of the tile's columns (a ragged last one zero-padded),
+    each tile reading its panel as one stream; bias and activation after."""
+    spec = {"a": ((m, k), "float32")}
+    rng = np.random.default_rng(m * 131 + k * 7 + n)
+    w = rng.standard_normal((n, k) if trans_b else (k, n)).astype(np.float32)
+    bias = rng.standard_normal(n).astype(np.float32)
+    nodes = [helper.make_node("Gemm", ["a", "w", "bias"], ["h"], transB=int(trans_b)),
+             helper.make_node("Tanh", ["h"], ["y"])]
+    kernels = run_with(model(nodes, spec, ["y"], {"w": w, "bias": bias}), spec,
+                       Schedule(matmul_tile_n=width))
+    stage = next(s for k in kernels for s in k.schedule["stages"] if s.get("form") == "ikj")
+    assert stage["b_operand"] == "constant in column panels"
+
+
 def test_attention_scores_transposed_operand():
     spec = {"q": ((2, 3, 17, 8), "float32"), "k": ((2, 3, 17, 8), "float32")}
     nodes = [helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
