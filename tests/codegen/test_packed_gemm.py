@@ -45,7 +45,7 @@ def forms(kernels) -> set[str]:
 def small_blocks(tile, **extra) -> Schedule:
     vb, mr, nr = tile
     return Schedule(vector_bytes=vb, gemm_mr=mr, gemm_nr=nr, gemm_mc=mr, gemm_nc=nr, gemm_kc=5,
-                    **extra)
+                    gemm_l2_bytes=0, **extra)
 
 
 @pytest.mark.parametrize("tile", TILES, ids=lambda t: f"{t[1]}x{t[2]}v{t[0]}")
@@ -108,6 +108,26 @@ def test_activation_a_read_in_place_with_a_partial_last_panel(tile, m):
                        small_blocks(tile))
     stage = next(s for k in kernels for s in k.schedule["stages"] if s.get("form") == "packed")
     assert stage["a_operand"] == "packed in scratch"
+
+
+@pytest.mark.parametrize("tile", TILES, ids=lambda t: f"{t[1]}x{t[2]}v{t[0]}")
+def test_slice_of_the_sum_grows_while_the_blocks_fit_in_cache(tile):
+    """The slice of the sum grows past the schedule's to an even split of K while a task's blocks
+    of A and B fit in `gemm_l2_bytes` (100 of the sum here: three passes over 300); 0 keeps the
+    schedule's (an even split of 32: ten passes of 30)."""
+    vb, mr, nr = tile
+    spec = {"a": ((20, 300), "float32")}
+    rng = np.random.default_rng(12)
+    w, bias = (rng.standard_normal((300, 40)).astype(np.float32),
+               rng.standard_normal(40).astype(np.float32))
+    nodes = [helper.make_node("MatMul", ["a", "w"], ["h"]),
+             helper.make_node("Add", ["h", "bias"], ["y"])]
+    for cache, kc in (((mr + nr) * 4 * 100, 100), (0, 30)):
+        schedule = Schedule(vector_bytes=vb, gemm_mr=mr, gemm_nr=nr, gemm_mc=mr, gemm_nc=nr,
+                            gemm_kc=32, gemm_l2_bytes=cache)
+        kernels = run_with(model(nodes, spec, ["y"], {"w": w, "bias": bias}), spec, schedule)
+        stage = next(s for k in kernels for s in k.schedule["stages"] if s.get("form") == "packed")
+        assert (stage["mc"], stage["nc"], stage["kc"]) == (mr, nr, kc)
 
 
 @settings(max_examples=12, deadline=None)

@@ -126,9 +126,22 @@ def _product(ctx: StageCtx, spec: Contraction, uk: MicroKernel,
     blk = blocking(rows, spec.n, spec.k, batches, uk, s.gemm_mc, s.gemm_nc, s.gemm_kc)
     itemsize = 4 if spec.dtype == "float32" else 8
     copied_by_tasks = copied_by_tasks and blk.kc * blk.nc * itemsize <= TASK_COPY_BYTES
+    if not copied_by_tasks:  # (a task's copy of B stays as small as the schedule's slice)
+        blk = replace(blk, kc=_cached_slice(spec.k, blk, itemsize, s.gemm_l2_bytes))
     packed_b = packed_b or (None if copied_by_tasks else b_rows(ctx, spec, b_side, uk.nr))
     blocks = (-(-rows // blk.mc), -(-spec.n // blk.nc), -(-spec.k // blk.kc))
     return _Product(uk, packed_a, packed_b, copied_by_tasks, folded, rows, batches, blk, blocks)
+
+
+def _cached_slice(k: int, blk: Blocking, itemsize: int, cache_bytes: int) -> int:
+    """The slice of the sum per pass: the schedule's, or longer (an even split of K) while a
+    task's blocks of A (mc × kc) and B (kc × nc) still fit in `cache_bytes` together. Every pass
+    restarts the prefetch streams of A's rows and B's panels and reloads each C tile: on Zen 4 a
+    128 × 768 × 3072 product took 0.88× the time in one pass of 768 as in three of 256."""
+    longest = cache_bytes // ((blk.mc + blk.nc) * itemsize)
+    if longest <= blk.kc:
+        return blk.kc
+    return -(-k // -(-k // longest))
 
 
 def _folds_batch(spec: Contraction, packed_a: Packed) -> bool:
