@@ -102,7 +102,7 @@ def test_activation_a_read_in_place_with_a_partial_last_panel(tile, m):
     stage = next(s for k in kernels for s in k.schedule["stages"] if s.get("form") == "packed")
     assert stage["a_operand"] == "read in place"
     edge_rows = 3 * m % tile[1]  # the batch's rows are one product of 3·m rows
-    assert stage.get("edge_micro_kernel") == (f"{edge_rows}x{tile[2]}" if edge_rows else None)
+    assert stage.get("row_edge_kernel") == (f"{edge_rows}x{tile[2]}" if edge_rows else None)
     nodes = [helper.make_node("Relu", ["a"], ["ra"]), helper.make_node("MatMul", ["ra", "w"], ["y"])]
     kernels = run_with(model(nodes, {"a": spec["a"]}, ["y"], {"w": w}), {"a": spec["a"]},
                        small_blocks(tile))
@@ -130,12 +130,14 @@ def test_slice_of_the_sum_grows_while_the_blocks_fit_in_cache(tile):
         assert (stage["mc"], stage["nc"], stage["kc"]) == (mr, nr, kc)
 
 
-@settings(max_examples=12, deadline=None)
-@given(m=st.integers(4, 40), k=st.integers(1, 24), n=st.integers(8, 40),
+@settings(max_examples=20, deadline=None)
+@given(m=st.integers(4, 40), k=st.integers(1, 24), n=st.integers(8, 80),
        epilogue=st.sampled_from(["none", "bias"]), tile=st.sampled_from(TILES))
-def test_partial_row_panel_by_a_kernel_of_its_rows(m, k, n, epilogue, tile):
-    """M not a multiple of the micro-kernel's rows: the last panel's rows, read in place by a
-    kernel of just those rows, through the epilogue or not, over several blocks of the sum."""
+def test_partial_panels_by_kernels_of_their_rows_and_columns(m, k, n, epilogue, tile):
+    """M or N not a multiple of the micro-kernel's: the last panel's rows, read in place by a
+    kernel of just those rows, and the last panel's columns by a kernel of just the vectors
+    they need (both at the corner), through the epilogue or not, over several blocks of the
+    sum."""
     spec = {"a": ((m, k), "float32")}
     rng = np.random.default_rng(m * 41 + k * 7 + n)
     w, bias = (rng.standard_normal((k, n)).astype(np.float32),
@@ -147,7 +149,11 @@ def test_partial_row_panel_by_a_kernel_of_its_rows(m, k, n, epilogue, tile):
                        small_blocks(tile))
     stage = next(s for k in kernels for s in k.schedule["stages"] if s.get("form") == "packed")
     assert stage["a_operand"] == "read in place"
-    assert stage.get("edge_micro_kernel") == (f"{m % tile[1]}x{tile[2]}" if m % tile[1] else None)
+    vb, mr, nr = tile
+    assert stage.get("row_edge_kernel") == (f"{m % mr}x{nr}" if m % mr else None)
+    lanes = vb // 4
+    edge_cols = -(-(n % nr) // lanes) * lanes % nr
+    assert stage.get("column_edge_kernel") == (f"{mr}x{edge_cols}" if edge_cols else None)
 
 
 @pytest.mark.parametrize("tile", TILES, ids=lambda t: f"{t[1]}x{t[2]}v{t[0]}")

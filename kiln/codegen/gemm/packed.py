@@ -25,7 +25,7 @@ from kiln.codegen.expr import (
     substitute,
 )
 from kiln.codegen.indexing import Index
-from kiln.codegen.gemm.blocking import Blocking, blocking
+from kiln.codegen.gemm.blocking import Blocking, blocking, round_up
 from kiln.codegen.microkernel import MicroKernel, tile_for
 from kiln.codegen.gemm.packing import (
     OperandSide,
@@ -205,16 +205,29 @@ def _tile_update(ctx: StageCtx, spec: Contraction, pr: _Product, t: _Task) -> li
     into_tile = (t.tile, add(mul(t.ip, uk.mr * blk.nc), mul(t.jp, uk.nr)), blk.nc)
     a_at = pr.a.offset(a_flat, t.k0, t.i)
     a_whole = (replace(uk, lda=pr.a.ld) if pr.a.in_place else uk, pr.a.buffer, a_at)
-    call: ir.Stmt = _call(pr, t, b_offset, a_whole, into_tile)
-    full_rows = pr.rows // uk.mr * uk.mr
-    if pr.a.in_place and full_rows < pr.rows:
-        # the last, partial panel by a kernel of its rows, reading them in place: a whole
-        # panel's kernel would spend up to mr - 1 rows of FMAs on rows past the product (49 rows
-        # of 12-row panels are 60 rows' work)
-        edge = replace(uk, mr=pr.rows - full_rows, lda=pr.a.ld)
-        call = ir.If(index_compare("lt", t.i, full_rows), [call],
-                     [_call(pr, t, b_offset, (edge, pr.a.buffer, a_at), into_tile)])
-        ctx.info["edge_micro_kernel"] = f"{edge.mr}x{edge.nr}"
+    # The last, partial panels run kernels of just their rows (of an A read in place) and of just
+    # their columns' vectors: a whole panel's kernel would spend its FMAs on rows and columns
+    # past the product (49 rows of 12-row panels are 60 rows' work; 96 columns of 64-column
+    # panels, 128 columns').
+    full_rows, full_cols = pr.rows // uk.mr * uk.mr, spec.n // uk.nr * uk.nr
+    edge_rows = pr.rows - full_rows if pr.a.in_place else 0
+    edge_cols = round_up(spec.n - full_cols, uk.lanes) % uk.nr
+
+    def update(rows: int, cols: int) -> ir.MicroKernelCall:
+        kernel = replace(a_whole[0], mr=rows, nr=cols)
+        return _call(pr, t, b_offset, (kernel, pr.a.buffer, a_at), into_tile)
+
+    def across_columns(rows: int) -> ir.Stmt:
+        if not edge_cols:
+            return update(rows, uk.nr)
+        ctx.info["column_edge_kernel"] = f"{uk.mr}x{edge_cols}"
+        return ir.If(index_compare("lt", t.j, full_cols), [update(rows, uk.nr)],
+                     [update(rows, edge_cols)])
+
+    call = across_columns(uk.mr)
+    if edge_rows:
+        call = ir.If(index_compare("lt", t.i, full_rows), [call], [across_columns(edge_rows)])
+        ctx.info["row_edge_kernel"] = f"{edge_rows}x{uk.nr}"
     tile_update: list[ir.Stmt] = [call, _epilogue(ctx, spec, pr, t)]
     output = _output_rows(ctx, spec, None if pr.folded else t.b)
     if output is not None:  # whole micro-tiles update the output itself: no copy through L1
