@@ -110,6 +110,23 @@ def test_activation_a_read_in_place_with_a_partial_last_panel(tile, m):
     assert stage["a_operand"] == "packed in scratch"
 
 
+@pytest.mark.parametrize("k,tile", [(1024, "6x64"), (1032, "12x32"), (768, "12x32")])
+def test_rows_of_a_that_share_l1_sets_run_a_tile_of_half_the_rows(k, tile):
+    """AVX-512's 12 rows of A read in place 4 KiB apart fall into one L1 set (more lines than its
+    8 ways): the product runs 6×64 tiles, the same accumulators; rows 4128 or 3072 bytes apart
+    keep 12×32."""
+    spec = {"a": ((30, k), "float32")}
+    rng = np.random.default_rng(k)
+    w, bias = (rng.standard_normal((k, 70)).astype(np.float32),
+               rng.standard_normal(70).astype(np.float32))
+    nodes = [helper.make_node("MatMul", ["a", "w"], ["h"]),
+             helper.make_node("Add", ["h", "bias"], ["y"])]
+    onnx_model = model(nodes, spec, ["y"], {"w": w, "bias": bias})
+    kernels = run_with(onnx_model, spec, Schedule(vector_bytes=64, gemm_mr=12, gemm_nr=32))
+    stage = next(s for k in kernels for s in k.schedule["stages"] if s.get("form") == "packed")
+    assert stage["a_operand"] == "read in place" and stage["micro_kernel"] == tile
+
+
 @pytest.mark.parametrize("tile", TILES, ids=lambda t: f"{t[1]}x{t[2]}v{t[0]}")
 def test_slice_of_the_sum_grows_while_the_blocks_fit_in_cache(tile):
     """The slice of the sum grows past the schedule's to an even split of K while a task's blocks

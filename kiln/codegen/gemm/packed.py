@@ -26,7 +26,7 @@ from kiln.codegen.expr import (
 )
 from kiln.codegen.indexing import Index
 from kiln.codegen.gemm.blocking import Blocking, blocking, round_up
-from kiln.codegen.microkernel import MicroKernel, tile_for
+from kiln.codegen.microkernel import MicroKernel, fewer_rows, rows_evict_each_other, tile_for
 from kiln.codegen.gemm.packing import (
     OperandSide,
     Packed,
@@ -117,6 +117,8 @@ def _product(ctx: StageCtx, spec: Contraction, uk: MicroKernel,
     b_side = OperandSide("b", lambda bi, j, k: spec.b(bi, k, j), spec.b_batch, spec.n)
     packed_a = (packed_a or constant_panels(ctx, spec, a, uk.mr) or a_rows_in_place(ctx, spec, a)
                 or scratch_panels(ctx, spec, a, uk.mr))
+    itemsize = 4 if spec.dtype == "float32" else 8
+    uk = _tile_for_rows(ctx, uk, packed_a, itemsize)
     packed_b = constant_panels(ctx, spec, b_side, uk.nr)
     copied_by_tasks = packed_b is None and b_copied_by_tasks(ctx, spec, b_side, uk.nr)
     folded = _folds_batch(spec, packed_a)
@@ -124,13 +126,23 @@ def _product(ctx: StageCtx, spec: Contraction, uk: MicroKernel,
     rows, batches = (bt * spec.m, 1) if folded else (spec.m, bt)
     s = ctx.schedule
     blk = blocking(rows, spec.n, spec.k, batches, uk, s.gemm_mc, s.gemm_nc, s.gemm_kc)
-    itemsize = 4 if spec.dtype == "float32" else 8
     copied_by_tasks = copied_by_tasks and blk.kc * blk.nc * itemsize <= TASK_COPY_BYTES
     if not copied_by_tasks:  # (a task's copy of B stays as small as the schedule's slice)
         blk = replace(blk, kc=_cached_slice(spec.k, blk, itemsize, s.gemm_l2_bytes))
     packed_b = packed_b or (None if copied_by_tasks else b_rows(ctx, spec, b_side, uk.nr))
     blocks = (-(-rows // blk.mc), -(-spec.n // blk.nc), -(-spec.k // blk.kc))
     return _Product(uk, packed_a, packed_b, copied_by_tasks, folded, rows, batches, blk, blocks)
+
+
+def _tile_for_rows(ctx: StageCtx, uk: MicroKernel, packed_a: Packed, itemsize: int) -> MicroKernel:
+    """The schedule's tile, or one of half its rows when the rows of an A read in place would
+    evict each other from L1: on Zen 4 a 128 × 3072 × 768 product took 0.84× the time with 6×64
+    tiles as with 12×32 ones (0.88× with A packed instead)."""
+    if (not packed_a.in_place or uk.mr < 2
+            or not rows_evict_each_other(uk, packed_a.ld * itemsize)):
+        return uk
+    ctx.info["tile_halved"] = "rows of A evict each other from L1"
+    return fewer_rows(uk)
 
 
 def _cached_slice(k: int, blk: Blocking, itemsize: int, cache_bytes: int) -> int:
