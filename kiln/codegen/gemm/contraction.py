@@ -11,7 +11,10 @@ Every contraction lowers to one loop nest over C[b, i, j] = Σ_k A[b, i, k] · B
   prologue (arithmetic, an implicit-GEMM convolution's im2col) is packed once per call by a
   parallel loop nest that evaluates the prologue once per element. Each parallel task owns a
   cache block of `mc` rows × `nc` columns and runs the register-blocked micro-kernel
-  (`kiln.codegen.microkernel`) over its panels for each slice of `kc` along the sum; each
+  (`kiln.codegen.microkernel`) over its panels for each slice of `kc` along the sum (longer
+  than the schedule's while the task's blocks fit in L2; the last partial panels by kernels of
+  just their rows and columns; a tile of half the rows where A's rows would evict each other
+  from L1); each
   finished micro-tile goes through the fused epilogue straight into the outputs while it is in
   L1 (whole tiles of a product with no epilogue are accumulated in the output by the
   micro-kernel itself). On GPU targets (`Schedule.gemm_work_group`)
