@@ -22,8 +22,9 @@ the register file: accumulators + B vectors + one broadcast ≤ the number of ve
 """
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # (vector bytes, mr, nr) per ISA, widest first: 32 zmm → 12×32 (24 accumulators); 16 ymm → 6×16
 # (12 accumulators); 32 NEON q registers → 8×12 (24 accumulators).
@@ -33,6 +34,10 @@ ISA_TILES = (
     ("neon", 16, 8, 12),
 )
 FALLBACK_TILE = (16, 4, 8)  # SSE-width vectors: every x86-64 and aarch64 CPU has them
+# The L1 data cache of the CPUs the tiles are chosen for (Zen 4, recent Intel and Arm cores: 32 KiB
+# or more, 8 ways or more): addresses L1_SET_SPAN apart share a set, L1_WAYS lines of a set fit.
+L1_WAYS = 8
+L1_SET_SPAN = 4096
 
 
 @dataclass(frozen=True)
@@ -75,6 +80,21 @@ def tile_for(isa: tuple[str, ...], dtype: str, vector_bytes: int = 0, mr: int = 
     if kernel.nr % lanes:  # float64 halves the lanes: keep nr a whole number of vectors
         kernel = MicroKernel(dtype, kernel.mr, -(-kernel.nr // lanes) * lanes, vb)
     return kernel
+
+
+def rows_evict_each_other(k: MicroKernel, row_bytes: int) -> bool:
+    """Whether the kernel's rows of A, read in place `row_bytes` apart, put more lines into one L1
+    set than it has ways (a row stride of 12 KiB puts all 12 rows of an AVX-512 tile into one), so
+    that the rows' lines evict each other between the broadcasts of consecutive steps."""
+    lines = {r * row_bytes // 64 for r in range(k.mr)}  # rows in one line share it
+    sets = Counter(line % (L1_SET_SPAN // 64) for line in lines)
+    return max(sets.values()) > L1_WAYS
+
+
+def fewer_rows(k: MicroKernel) -> MicroKernel:
+    """The same accumulators as half the rows by twice the columns (AVX-512's 12×32 as 6×64: two
+    more B vectors, still within 32 registers)."""
+    return replace(k, mr=k.mr // 2, nr=k.nr * 2)
 
 
 def vector_extension_source(k: MicroKernel) -> str:

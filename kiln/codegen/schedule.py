@@ -51,6 +51,9 @@ class Schedule:
     gemm_mc: int = 96
     gemm_nc: int = 256
     gemm_kc: int = 256
+    # The packed GEMM's slice of the sum grows past `gemm_kc` (an even split of K) while a task's
+    # blocks of A and B fit in this much cache together (a core's L2); 0: exactly `gemm_kc`
+    gemm_l2_bytes: int = 1 << 20
     vector_bytes: int = 0
     # Grain of the packed-GEMM task loop (`kiln.codegen.ir.GRAINS`; the name is the tuner's key):
     # "dynamic" (grain "one") hands out tiles as threads free

@@ -72,7 +72,7 @@ def test_schedule_overrides_are_recorded_and_keep_results():
     assert kernel.schedule["stages"][0]["tile_m"] == 2
     # packed GEMM with a ragged last block along every axis: 20 = 7 + 7 + 6 along the sum
     (packed,) = generate(plan, target("host"), block_schedules={plan.blocks[0].id: {
-        "gemm_kc": 8, "gemm_mc": 4, "gemm_nc": 8}})
+        "gemm_kc": 8, "gemm_l2_bytes": 0, "gemm_mc": 4, "gemm_nc": 8}})
     stage = packed.schedule["stages"][-1]
     assert stage["form"] == "packed" and stage["kc"] == 7
     assert packed.schedule["gemm_mr"] > 0 and packed.schedule["vector_bytes"] > 0

@@ -45,7 +45,7 @@ def forms(kernels) -> set[str]:
 def small_blocks(tile, **extra) -> Schedule:
     vb, mr, nr = tile
     return Schedule(vector_bytes=vb, gemm_mr=mr, gemm_nr=nr, gemm_mc=mr, gemm_nc=nr, gemm_kc=5,
-                    **extra)
+                    gemm_l2_bytes=0, **extra)
 
 
 @pytest.mark.parametrize("tile", TILES, ids=lambda t: f"{t[1]}x{t[2]}v{t[0]}")
@@ -92,8 +92,8 @@ def test_activation_operand_read_in_place_or_copied_to_rows(tile):
 @pytest.mark.parametrize("m", [4, 13, 24])
 def test_activation_a_read_in_place_with_a_partial_last_panel(tile, m):
     """A row-major run-time A is read where it is by a row-reading micro-kernel, its last partial
-    panel (or a whole A shorter than a panel) through a local copy, over several blocks of the
-    sum and a batch; an A with arithmetic before the product is still packed once."""
+    panel (or a whole A shorter than a panel) by a kernel of that panel's rows, over several
+    blocks of the sum and a batch; an A with arithmetic before the product is still packed once."""
     spec = {"a": ((3, m, 11), "float32"), "w": ((11, 21), "float32")}
     w = np.random.default_rng(4).standard_normal((11, 21)).astype(np.float32)
     plain = model([helper.make_node("MatMul", ["a", "w"], ["y"])], {"a": spec["a"]}, ["y"],
@@ -101,11 +101,76 @@ def test_activation_a_read_in_place_with_a_partial_last_panel(tile, m):
     kernels = run_with(plain, {"a": spec["a"]}, small_blocks(tile))
     stage = next(s for k in kernels for s in k.schedule["stages"] if s.get("form") == "packed")
     assert stage["a_operand"] == "read in place"
+    edge_rows = 3 * m % tile[1]  # the batch's rows are one product of 3·m rows
+    assert stage.get("row_edge_kernel") == (f"{edge_rows}x{tile[2]}" if edge_rows else None)
     nodes = [helper.make_node("Relu", ["a"], ["ra"]), helper.make_node("MatMul", ["ra", "w"], ["y"])]
     kernels = run_with(model(nodes, {"a": spec["a"]}, ["y"], {"w": w}), {"a": spec["a"]},
                        small_blocks(tile))
     stage = next(s for k in kernels for s in k.schedule["stages"] if s.get("form") == "packed")
     assert stage["a_operand"] == "packed in scratch"
+
+
+@pytest.mark.parametrize("k,tile", [(1024, "6x64"), (1032, "12x32"), (768, "12x32")])
+def test_rows_of_a_that_share_l1_sets_run_a_tile_of_half_the_rows(k, tile):
+    """AVX-512's 12 rows of A read in place 4 KiB apart fall into one L1 set (more lines than its
+    8 ways): the product runs 6×64 tiles, the same accumulators; rows 4128 or 3072 bytes apart
+    keep 12×32."""
+    spec = {"a": ((30, k), "float32")}
+    rng = np.random.default_rng(k)
+    w, bias = (rng.standard_normal((k, 70)).astype(np.float32),
+               rng.standard_normal(70).astype(np.float32))
+    nodes = [helper.make_node("MatMul", ["a", "w"], ["h"]),
+             helper.make_node("Add", ["h", "bias"], ["y"])]
+    onnx_model = model(nodes, spec, ["y"], {"w": w, "bias": bias})
+    kernels = run_with(onnx_model, spec, Schedule(vector_bytes=64, gemm_mr=12, gemm_nr=32))
+    stage = next(s for k in kernels for s in k.schedule["stages"] if s.get("form") == "packed")
+    assert stage["a_operand"] == "read in place" and stage["micro_kernel"] == tile
+
+
+@pytest.mark.parametrize("tile", TILES, ids=lambda t: f"{t[1]}x{t[2]}v{t[0]}")
+def test_slice_of_the_sum_grows_while_the_blocks_fit_in_cache(tile):
+    """The slice of the sum grows past the schedule's to an even split of K while a task's blocks
+    of A and B fit in `gemm_l2_bytes` (100 of the sum here: three passes over 300); 0 keeps the
+    schedule's (an even split of 32: ten passes of 30)."""
+    vb, mr, nr = tile
+    spec = {"a": ((20, 300), "float32")}
+    rng = np.random.default_rng(12)
+    w, bias = (rng.standard_normal((300, 40)).astype(np.float32),
+               rng.standard_normal(40).astype(np.float32))
+    nodes = [helper.make_node("MatMul", ["a", "w"], ["h"]),
+             helper.make_node("Add", ["h", "bias"], ["y"])]
+    for cache, kc in (((mr + nr) * 4 * 100, 100), (0, 30)):
+        schedule = Schedule(vector_bytes=vb, gemm_mr=mr, gemm_nr=nr, gemm_mc=mr, gemm_nc=nr,
+                            gemm_kc=32, gemm_l2_bytes=cache)
+        kernels = run_with(model(nodes, spec, ["y"], {"w": w, "bias": bias}), spec, schedule)
+        stage = next(s for k in kernels for s in k.schedule["stages"] if s.get("form") == "packed")
+        assert (stage["mc"], stage["nc"], stage["kc"]) == (mr, nr, kc)
+
+
+@settings(max_examples=20, deadline=None)
+@given(m=st.integers(4, 40), k=st.integers(1, 24), n=st.integers(8, 80),
+       epilogue=st.sampled_from(["none", "bias"]), tile=st.sampled_from(TILES))
+def test_partial_panels_by_kernels_of_their_rows_and_columns(m, k, n, epilogue, tile):
+    """M or N not a multiple of the micro-kernel's: the last panel's rows, read in place by a
+    kernel of just those rows, and the last panel's columns by a kernel of just the vectors
+    they need (both at the corner), through the epilogue or not, over several blocks of the
+    sum."""
+    spec = {"a": ((m, k), "float32")}
+    rng = np.random.default_rng(m * 41 + k * 7 + n)
+    w, bias = (rng.standard_normal((k, n)).astype(np.float32),
+               rng.standard_normal(n).astype(np.float32))
+    nodes = [helper.make_node("MatMul", ["a", "w"], ["y" if epilogue == "none" else "h"])]
+    if epilogue == "bias":
+        nodes.append(helper.make_node("Add", ["h", "bias"], ["y"]))
+    kernels = run_with(model(nodes, spec, ["y"], {"w": w, "bias": bias}), spec,
+                       small_blocks(tile))
+    stage = next(s for k in kernels for s in k.schedule["stages"] if s.get("form") == "packed")
+    assert stage["a_operand"] == "read in place"
+    vb, mr, nr = tile
+    assert stage.get("row_edge_kernel") == (f"{m % mr}x{nr}" if m % mr else None)
+    lanes = vb // 4
+    edge_cols = -(-(n % nr) // lanes) * lanes % nr
+    assert stage.get("column_edge_kernel") == (f"{mr}x{edge_cols}" if edge_cols else None)
 
 
 @pytest.mark.parametrize("tile", TILES, ids=lambda t: f"{t[1]}x{t[2]}v{t[0]}")
@@ -154,6 +219,25 @@ def test_matrix_vector_products_are_dot_products():
     m = model([helper.make_node("Conv", ["x", "w"], ["y"])], spec, ["y"], {"w": w})
     kernels = run_with(m, spec, Schedule())
     assert "packed" not in forms(kernels) and "dot" in forms(kernels)
+
+
+@settings(max_examples=12, deadline=None)
+@given(m=st.integers(1, 3), k=st.integers(1, 40), n=st.integers(8, 70), trans_b=st.booleans(),
+       width=st.sampled_from([8, 16, 64]))
+def test_few_rows_times_constant_weights_stream_column_panels(m, k, n, trans_b, width):
+    """Too few rows for the packed GEMM (a matrix-vector product): the weights, plain or
+    transposed, are gathered into panels of the tile's columns (a ragged last one zero-padded),
+    each tile reading its panel as one stream; bias and activation after."""
+    spec = {"a": ((m, k), "float32")}
+    rng = np.random.default_rng(m * 131 + k * 7 + n)
+    w = rng.standard_normal((n, k) if trans_b else (k, n)).astype(np.float32)
+    bias = rng.standard_normal(n).astype(np.float32)
+    nodes = [helper.make_node("Gemm", ["a", "w", "bias"], ["h"], transB=int(trans_b)),
+             helper.make_node("Tanh", ["h"], ["y"])]
+    kernels = run_with(model(nodes, spec, ["y"], {"w": w, "bias": bias}), spec,
+                       Schedule(matmul_tile_n=width))
+    stage = next(s for k in kernels for s in k.schedule["stages"] if s.get("form") == "ikj")
+    assert stage["b_operand"] == "constant in column panels"
 
 
 def test_attention_scores_transposed_operand():

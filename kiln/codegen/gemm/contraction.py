@@ -11,7 +11,10 @@ Every contraction lowers to one loop nest over C[b, i, j] = Σ_k A[b, i, k] · B
   prologue (arithmetic, an implicit-GEMM convolution's im2col) is packed once per call by a
   parallel loop nest that evaluates the prologue once per element. Each parallel task owns a
   cache block of `mc` rows × `nc` columns and runs the register-blocked micro-kernel
-  (`kiln.codegen.microkernel`) over its panels for each slice of `kc` along the sum; each
+  (`kiln.codegen.microkernel`) over its panels for each slice of `kc` along the sum (longer
+  than the schedule's while the task's blocks fit in L2; the last partial panels by kernels of
+  just their rows and columns; a tile of half the rows where A's rows would evict each other
+  from L1); each
   finished micro-tile goes through the fused epilogue straight into the outputs while it is in
   L1 (whole tiles of a product with no epilogue are accumulated in the output by the
   micro-kernel itself). On GPU targets (`Schedule.gemm_work_group`)
@@ -24,9 +27,10 @@ Every contraction lowers to one loop nest over C[b, i, j] = Σ_k A[b, i, k] · B
 * `dot`: when B is contiguous along k instead (a transposed operand, Q·Kᵀ) and A is a plain load,
   each C element is a vectorised dot product.
 
-B must be a plain contiguous load for `ikj`. A constant B read through a remap (Gemm's transB,
-a transposed weight) becomes a derived constant packed at compile time; any other B is packed into
-scratch by a first loop nest (a prologue with arithmetic is evaluated there once, not M times).
+A constant B (weights, also read through a remap: Gemm's transB, a transposed weight) is gathered
+at compile time into panels of the `ikj` tile's columns, so that each tile streams its panel; any
+other B must be a plain contiguous load for `ikj`, or is packed into scratch by a first loop nest
+(a prologue with arithmetic is evaluated there once, not M times).
 """
 from __future__ import annotations
 
@@ -80,27 +84,42 @@ def contraction(ctx: StageCtx, spec: Contraction) -> None:
     dot_ok = stride_of(b_probe, probe_k) == 1 and stride_of(a_probe, probe_k) == 1
     if spec.n < ctx.schedule.gemm_min_n and dot_ok:
         _dot(ctx, spec)  # few columns: vectorise along the sum instead
+    elif (panels := _constant_panels(ctx, spec, b_probe, probe_b, probe_k, probe_j)) is not None:
+        _ikj(ctx, spec, panels)
     elif stride_of(b_probe, probe_j) == 1:
-        _ikj(ctx, spec, spec.b)
-    elif (packed := _constant_packed(ctx, spec, b_probe, probe_b, probe_k, probe_j)) is not None:
-        _ikj(ctx, spec, packed)
+        _ikj(ctx, spec, _whole_rows(spec.b))
     elif dot_ok:
         _dot(ctx, spec)
     else:
-        _ikj(ctx, spec, _pack_in_scratch(ctx, spec))
+        _ikj(ctx, spec, _whole_rows(_pack_in_scratch(ctx, spec)))
 
 
-def _constant_packed(ctx: StageCtx, spec: Contraction, probe: Expr, pb: Expr, pk: Expr,
-                     pj: Expr) -> BOperand | None:
-    """A constant B read through an index remap: gather it once at compile time."""
-    nb = max(math.prod(spec.b_batch), 1)
-    grid = np.meshgrid(np.arange(nb), np.arange(spec.k), np.arange(spec.n), indexing="ij")
-    packed = constant_values(ctx, probe, (pb, pk, pj), grid)
-    if packed is None:
+# B as an ikj tile reads it: (B-batch index, k, j, the tile's column block) -> value
+TileOperand = Callable[[Index, Expr, Expr, Expr], Expr]
+
+
+def _whole_rows(operand: BOperand) -> TileOperand:
+    return lambda bb, k, j, _cb: operand(bb, k, j)
+
+
+def _constant_panels(ctx: StageCtx, spec: Contraction, probe: Expr, pb: Expr, pk: Expr,
+                     pj: Expr) -> TileOperand | None:
+    """A constant B gathered at compile time into panels of an ikj tile's columns, each panel's
+    K rows one after the other (past N: zeros): a tile reads one contiguous stream of B instead
+    of K short runs a row of B apart (a matrix-vector product reads nothing else)."""
+    width = _tile(spec.n, ctx.schedule.matmul_tile_n)
+    nb, panels = max(math.prod(spec.b_batch), 1), -(-spec.n // width)
+    grid = np.meshgrid(np.arange(nb), np.arange(spec.k), np.arange(panels * width), indexing="ij")
+    values = constant_values(ctx, probe, (pb, pk, pj),
+                             [grid[0], grid[1], np.minimum(grid[2], spec.n - 1)])
+    if values is None:
         return None
-    name = ctx.derived(packed.reshape(nb, spec.k, spec.n))
-    ctx.info["b_operand"] = "derived constant"
-    return lambda bb, k, j: load(name, spec.dtype, add(mul(add(mul(bb.flat, spec.k), k), spec.n), j))
+    values = np.where(grid[2] < spec.n, values, 0).astype(values.dtype)
+    panelled = values.reshape(nb, spec.k, panels, width).transpose(0, 2, 1, 3)
+    name = ctx.derived(np.ascontiguousarray(panelled))
+    ctx.info["b_operand"] = "constant in column panels"
+    return lambda bb, k, j, cb: load(name, spec.dtype, add(
+        mul(add(mul(add(mul(bb.flat, panels), cb), spec.k), k), width), sub(j, mul(cb, width))))
 
 
 def _pack_in_scratch(ctx: StageCtx, spec: Contraction) -> BOperand:
@@ -127,7 +146,7 @@ def _tile(n: int, limit: int) -> int:
     return limit
 
 
-def _ikj(ctx: StageCtx, spec: Contraction, b_operand: BOperand) -> None:
+def _ikj(ctx: StageCtx, spec: Contraction, b_operand: TileOperand) -> None:
     """Output tiles of `matmul_tile_m` rows × `matmul_tile_n` columns in parallel; per tile,
     accumulators on the stack and, for each k, a vectorised update of every row."""
     s = ctx.schedule
@@ -156,7 +175,7 @@ def _ikj(ctx: StageCtx, spec: Contraction, b_operand: BOperand) -> None:
 
     def accumulate(i: Expr, j: Expr) -> list[ir.Stmt]:
         a_value = spec.a(batch_of(spec, b, spec.a_batch), i, k)
-        b_value = b_operand(batch_of(spec, b, spec.b_batch), k, j)
+        b_value = b_operand(batch_of(spec, b, spec.b_batch), k, j, cb)
         current = array_load(tile, spec.dtype, slot(i, j))
         return [ir.ArrayStore(tile, slot(i, j),
                               binary("add", current, binary("mul", a_value, b_value)))]

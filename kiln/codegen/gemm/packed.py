@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from kiln.codegen import ir
 from kiln.codegen.contexts import StageCtx
@@ -25,8 +25,8 @@ from kiln.codegen.expr import (
     substitute,
 )
 from kiln.codegen.indexing import Index
-from kiln.codegen.gemm.blocking import blocking
-from kiln.codegen.microkernel import MicroKernel, tile_for
+from kiln.codegen.gemm.blocking import Blocking, blocking, round_up
+from kiln.codegen.microkernel import MicroKernel, fewer_rows, rows_evict_each_other, tile_for
 from kiln.codegen.gemm.packing import (
     OperandSide,
     Packed,
@@ -56,128 +56,238 @@ def packed_applies(ctx: StageCtx, spec: Contraction) -> bool:
             and spec.m >= s.gemm_min_m and spec.n >= s.gemm_min_n)
 
 
+@dataclass(frozen=True)
+class _Product:
+    """The product the tasks compute: its micro-kernel, packed operands, whether its rows run
+    across the batch (`folded`), and its cache blocks."""
+
+    uk: MicroKernel
+    a: Packed
+    b: Packed | None  # None until a task's copy of its block takes its place
+    b_by_tasks: bool  # B copied block by block by the tasks, into a local array
+    folded: bool
+    rows: int  # the product's rows: M, or batch × M when folded
+    batches: int  # products of `rows` rows: the batch, or 1 when folded
+    blk: Blocking
+    blocks: tuple[int, int, int]  # (row blocks, column blocks, slices of the sum)
+
+
+@dataclass(frozen=True)
+class _Task:
+    """One parallel task's loop variables and the expressions built on them: task `p` = (batch
+    `b`, row block, column block) starting at (`i0`, `j0`); slice `kb` of the sum, `kc` long
+    from `k0`; micro-tile (`ip`, `jp`) of the block at (`i`, `j`) of the product, in the local
+    array `tile`."""
+
+    p: Expr
+    b: Expr
+    i0: Expr
+    j0: Expr
+    kb: Expr
+    k0: Expr
+    kc: Expr
+    ip: Expr
+    jp: Expr
+    i: Expr
+    j: Expr
+    tile: str
+    accumulate: Expr
+    row_of: Callable[[Expr], tuple[Expr, Expr]]  # (batch, row of the batch) of a product row
+
+
 def packed_gemm(ctx: StageCtx, spec: Contraction, packed_a: Packed | None = None) -> None:
     """`spec` as a packed GEMM, or on a GPU (work-groups in the schedule) as the work-group tiled
     one; `packed_a`: A already in constant panels of the micro-kernel's rows."""
-    s = ctx.schedule
     uk = micro_kernel(ctx, spec.dtype)
-    if s.gemm_work_group > 0:  # a GPU's: work-groups staging tiles in local memory
+    if ctx.schedule.gemm_work_group > 0:  # a GPU's: work-groups staging tiles in local memory
         group_gemm(ctx, spec, uk, packed_a)
         return
+    product = _product(ctx, spec, uk, packed_a)
+    task = _task(ctx, spec, product)
+    b_copy: list[ir.Stmt] = []
+    if product.b_by_tasks:
+        b_copy, product = _b_copied_by_task(ctx, spec, product, task)
+    _stage(ctx, spec, product, task, _tile_update(ctx, spec, product, task), b_copy)
+
+
+def _product(ctx: StageCtx, spec: Contraction, uk: MicroKernel,
+             packed_a: Packed | None) -> _Product:
+    """The operands packed (or read in place) and the product's cache blocks."""
     a = OperandSide("a", spec.a, spec.a_batch, spec.m)
     b_side = OperandSide("b", lambda bi, j, k: spec.b(bi, k, j), spec.b_batch, spec.n)
     packed_a = (packed_a or constant_panels(ctx, spec, a, uk.mr) or a_rows_in_place(ctx, spec, a)
                 or scratch_panels(ctx, spec, a, uk.mr))
+    itemsize = 4 if spec.dtype == "float32" else 8
+    uk = _tile_for_rows(ctx, uk, packed_a, itemsize)
     packed_b = constant_panels(ctx, spec, b_side, uk.nr)
     copied_by_tasks = packed_b is None and b_copied_by_tasks(ctx, spec, b_side, uk.nr)
+    folded = _folds_batch(spec, packed_a)
     bt = math.prod(spec.batch)
-    # one weight matrix for a batch of row-major A whose batches follow each other: one product
-    # of batch × M rows (no partial panel per batch; ConvNeXt's 7 × 7 × 768 is 49 rows, not 7 × 7)
-    folded = (bt > 1 and packed_a.in_place and spec.a_batch == spec.batch
-              and math.prod(spec.b_batch) <= 1 and packed_a.batch_ld == spec.m * packed_a.ld)
     rows, batches = (bt * spec.m, 1) if folded else (spec.m, bt)
+    s = ctx.schedule
     blk = blocking(rows, spec.n, spec.k, batches, uk, s.gemm_mc, s.gemm_nc, s.gemm_kc)
-    itemsize = 4 if spec.dtype == "float32" else 8
     copied_by_tasks = copied_by_tasks and blk.kc * blk.nc * itemsize <= TASK_COPY_BYTES
+    if not copied_by_tasks:  # (a task's copy of B stays as small as the schedule's slice)
+        blk = replace(blk, kc=_cached_slice(spec.k, blk, itemsize, s.gemm_l2_bytes))
     packed_b = packed_b or (None if copied_by_tasks else b_rows(ctx, spec, b_side, uk.nr))
-    row_blocks, col_blocks, k_blocks = (-(-rows // blk.mc), -(-spec.n // blk.nc),
-                                        -(-spec.k // blk.kc))
-    tasks = batches * row_blocks * col_blocks
-    p = ctx.var("p", tasks)
-    b, rb, cb = Index((batches, row_blocks, col_blocks), flat=p).dims
+    blocks = (-(-rows // blk.mc), -(-spec.n // blk.nc), -(-spec.k // blk.kc))
+    return _Product(uk, packed_a, packed_b, copied_by_tasks, folded, rows, batches, blk, blocks)
+
+
+def _tile_for_rows(ctx: StageCtx, uk: MicroKernel, packed_a: Packed, itemsize: int) -> MicroKernel:
+    """The schedule's tile, or one of half its rows when the rows of an A read in place would
+    evict each other from L1: on Zen 4 a 128 × 3072 × 768 product took 0.84× the time with 6×64
+    tiles as with 12×32 ones (0.88× with A packed instead)."""
+    if (not packed_a.in_place or uk.mr < 2
+            or not rows_evict_each_other(uk, packed_a.ld * itemsize)):
+        return uk
+    ctx.info["tile_halved"] = "rows of A evict each other from L1"
+    return fewer_rows(uk)
+
+
+def _cached_slice(k: int, blk: Blocking, itemsize: int, cache_bytes: int) -> int:
+    """The slice of the sum per pass: the schedule's, or longer (an even split of K) while a
+    task's blocks of A (mc × kc) and B (kc × nc) still fit in `cache_bytes` together. Every pass
+    restarts the prefetch streams of A's rows and B's panels and reloads each C tile: on Zen 4 a
+    128 × 768 × 3072 product took 0.88× the time in one pass of 768 as in three of 256."""
+    longest = cache_bytes // ((blk.mc + blk.nc) * itemsize)
+    if longest <= blk.kc:
+        return blk.kc
+    return -(-k // -(-k // longest))
+
+
+def _folds_batch(spec: Contraction, packed_a: Packed) -> bool:
+    """One weight matrix for a batch of row-major A whose batches follow each other: one product
+    of batch × M rows (no partial panel per batch; ConvNeXt's 7 × 7 × 768 is 49 rows, not 7 × 7)."""
+    return (math.prod(spec.batch) > 1 and packed_a.in_place and spec.a_batch == spec.batch
+            and math.prod(spec.b_batch) <= 1 and packed_a.batch_ld == spec.m * packed_a.ld)
+
+
+def _task(ctx: StageCtx, spec: Contraction, pr: _Product) -> _Task:
+    uk, blk = pr.uk, pr.blk
+    row_blocks, col_blocks, k_blocks = pr.blocks
+    p = ctx.var("p", pr.batches * row_blocks * col_blocks)
+    b, rb, cb = Index((pr.batches, row_blocks, col_blocks), flat=p).dims
     i0, j0 = mul(rb, blk.mc), mul(cb, blk.nc)
     tile = ctx.name("ct")
-    row_panels = imin(iconst(blk.mc // uk.mr), floordiv(sub(iconst(rows + uk.mr - 1), i0), uk.mr))
-    col_panels = imin(iconst(blk.nc // uk.nr), floordiv(sub(iconst(spec.n + uk.nr - 1), j0), uk.nr))
-
-    def row_of(g: Expr) -> tuple[Expr, Expr]:
-        """(batch, row of the batch) of row `g` of the product."""
-        return (floordiv(g, spec.m), modulo(g, spec.m)) if folded else (b, g)
-
     kb = ctx.var("kb", k_blocks)
     k0 = mul(kb, blk.kc)
     kc = iconst(blk.kc) if spec.k % blk.kc == 0 else imin(iconst(blk.kc), sub(iconst(spec.k), k0))
-    a_flat = batch_of(spec, b, spec.a_batch).flat if spec.a_batch and not folded else iconst(0)
-    b_flat = batch_of(spec, b, spec.b_batch).flat if spec.b_batch and not folded else iconst(0)
     ip, jp = ctx.var("ip", blk.mc // uk.mr), ctx.var("jp", blk.nc // uk.nr)
-
-    a_start = add(i0, mul(ip, uk.mr))
-    b_copy: list[ir.Stmt] = []
-    if copied_by_tasks:  # the task's block of B, copied for each slice of the sum
-        copy = ctx.name("bc")
-        b_copy = b_block_copy(ctx, spec, copy, blk.nc, batch_of(spec, b, spec.b_batch), (k0, kc),
-                              j0)
-        packed_b = Packed(copy, lambda _b, _k0, j: sub(j, j0), blk.nc)
-        ctx.info["b_operand"] = "copied by the tasks"
-    b_offset = packed_b.offset(b_flat, k0, add(j0, mul(jp, uk.nr)))
-    c_offset = add(mul(ip, uk.mr * blk.nc), mul(jp, uk.nr))
     accumulate = index_compare("gt", kb, 0) if k_blocks > 1 else const(False, "bool")
 
-    def update(kernel: MicroKernel, a_buffer: str, a_offset: Expr) -> ir.MicroKernelCall:
-        return ir.MicroKernelCall(kernel, kc, a_buffer, a_offset, packed_b.buffer, b_offset,
-                                  packed_b.ld, tile, c_offset, blk.nc, accumulate)
+    def row_of(g: Expr) -> tuple[Expr, Expr]:
+        return (floordiv(g, spec.m), modulo(g, spec.m)) if pr.folded else (b, g)
 
-    edge_decl: list[ir.Stmt] = []
-    edge_pack: list[ir.Stmt] = []
-    if packed_a.in_place:
-        a_whole = (replace(uk, lda=packed_a.ld), packed_a.buffer,
-                   packed_a.offset(a_flat, k0, a_start))
-        call = update(*a_whole)
-        full_rows = rows // uk.mr * uk.mr
-        if full_rows < rows:  # the last, partial panel: its rows copied into a local panel
-            edge = ctx.name("ae")
-            edge_decl = [ir.DeclArray(edge, spec.dtype, uk.mr * blk.kc)]
-            edge_pack = [ir.If(index_compare("eq", rb, row_blocks - 1),
-                               _edge_panel(ctx, spec, edge, uk, (full_rows, rows), row_of, k0, kc))]
-            call = ir.If(index_compare("lt", a_start, full_rows), [call],
-                         [update(uk, edge, iconst(0))])
-    else:
-        a_whole = (uk, packed_a.buffer, packed_a.offset(a_flat, k0, a_start))
-        call = update(*a_whole)
-    # each micro-tile's results go through the epilogue right after its last update, from L1
-    j_start = add(j0, mul(jp, uk.nr))
-    if folded:
-        epilogue = _folded_epilogue(ctx, spec, blk.nc, tile, (i0, a_start, uk.mr, rows),
-                                    (j0, j_start, uk.nr), row_of)
-    else:
-        epilogue = tile_epilogue(ctx, spec, blk.nc, tile, b, (i0, a_start, uk.mr),
-                                 (j0, j_start, uk.nr))
-    if k_blocks > 1:
-        epilogue = ir.If(index_compare("eq", kb, k_blocks - 1), [epilogue])
-    tile_update: list[ir.Stmt] = [call, epilogue]
-    output = _output_rows(ctx, spec, None if folded else b)
+    return _Task(p, b, i0, j0, kb, k0, kc, ip, jp, add(i0, mul(ip, uk.mr)),
+                 add(j0, mul(jp, uk.nr)), tile, accumulate, row_of)
+
+
+def _b_copied_by_task(ctx: StageCtx, spec: Contraction, pr: _Product,
+                      t: _Task) -> tuple[list[ir.Stmt], _Product]:
+    """The task's block of B, copied into a local array for each slice of the sum."""
+    copy = ctx.name("bc")
+    stmts = b_block_copy(ctx, spec, copy, pr.blk.nc, batch_of(spec, t.b, spec.b_batch),
+                         (t.k0, t.kc), t.j0)
+    ctx.info["b_operand"] = "copied by the tasks"
+    return stmts, replace(pr, b=Packed(copy, lambda _b, _k0, j: sub(j, t.j0), pr.blk.nc))
+
+
+def _operand_batches(spec: Contraction, pr: _Product, t: _Task) -> tuple[Expr, Expr]:
+    """The flat batch indices of A and B in task `t`'s batch."""
+    def flat(shape: tuple[int, ...]) -> Expr:
+        return batch_of(spec, t.b, shape).flat if shape and not pr.folded else iconst(0)
+    return flat(spec.a_batch), flat(spec.b_batch)
+
+
+def _call(pr: _Product, t: _Task, b_offset: Expr, a: tuple[MicroKernel, str, Expr],
+          c: tuple[str, Expr, int]) -> ir.MicroKernelCall:
+    """The micro-kernel update of one tile: `a` = (kernel, A buffer, offset), `c` = (buffer,
+    offset, row stride) of the results."""
+    kernel, a_buffer, a_offset = a
+    return ir.MicroKernelCall(kernel, t.kc, a_buffer, a_offset, pr.b.buffer, b_offset, pr.b.ld,
+                              *c, t.accumulate)
+
+
+def _tile_update(ctx: StageCtx, spec: Contraction, pr: _Product, t: _Task) -> list[ir.Stmt]:
+    """One micro-tile's update and epilogue."""
+    uk, blk = pr.uk, pr.blk
+    a_flat, b_flat = _operand_batches(spec, pr, t)
+    b_offset = pr.b.offset(b_flat, t.k0, t.j)
+    into_tile = (t.tile, add(mul(t.ip, uk.mr * blk.nc), mul(t.jp, uk.nr)), blk.nc)
+    a_at = pr.a.offset(a_flat, t.k0, t.i)
+    a_whole = (replace(uk, lda=pr.a.ld) if pr.a.in_place else uk, pr.a.buffer, a_at)
+    # The last, partial panels run kernels of just their rows (of an A read in place) and of just
+    # their columns' vectors: a whole panel's kernel would spend its FMAs on rows and columns
+    # past the product (49 rows of 12-row panels are 60 rows' work; 96 columns of 64-column
+    # panels, 128 columns').
+    full_rows, full_cols = pr.rows // uk.mr * uk.mr, spec.n // uk.nr * uk.nr
+    edge_rows = pr.rows - full_rows if pr.a.in_place else 0
+    edge_cols = round_up(spec.n - full_cols, uk.lanes) % uk.nr
+
+    def update(rows: int, cols: int) -> ir.MicroKernelCall:
+        kernel = replace(a_whole[0], mr=rows, nr=cols)
+        return _call(pr, t, b_offset, (kernel, pr.a.buffer, a_at), into_tile)
+
+    def across_columns(rows: int) -> ir.Stmt:
+        if not edge_cols:
+            return update(rows, uk.nr)
+        ctx.info["column_edge_kernel"] = f"{uk.mr}x{edge_cols}"
+        return ir.If(index_compare("lt", t.j, full_cols), [update(rows, uk.nr)],
+                     [update(rows, edge_cols)])
+
+    call = across_columns(uk.mr)
+    if edge_rows:
+        call = ir.If(index_compare("lt", t.i, full_rows), [call], [across_columns(edge_rows)])
+        ctx.info["row_edge_kernel"] = f"{edge_rows}x{uk.nr}"
+    tile_update: list[ir.Stmt] = [call, _epilogue(ctx, spec, pr, t)]
+    output = _output_rows(ctx, spec, None if pr.folded else t.b)
     if output is not None:  # whole micro-tiles update the output itself: no copy through L1
         buffer, at, ldc = output
-        kernel, a_buffer, a_offset = a_whole
-        whole = logical_and(index_compare("le", add(a_start, uk.mr), rows),
-                            index_compare("le", add(j_start, uk.nr), spec.n))
-        direct = ir.MicroKernelCall(kernel, kc, a_buffer, a_offset, packed_b.buffer, b_offset,
-                                    packed_b.ld, buffer, at(a_start, j_start), ldc, accumulate)
+        whole = logical_and(index_compare("le", add(t.i, uk.mr), pr.rows),
+                            index_compare("le", add(t.j, uk.nr), spec.n))
+        direct = _call(pr, t, b_offset, a_whole, (buffer, at(t.i, t.j), ldc))
         tile_update = [ir.If(whole, [direct], tile_update)]
         ctx.info["whole_tiles"] = "stored by the micro-kernel"
-    compute = ir.Loop(jp, iconst(0), col_panels, [ir.Loop(ip, iconst(0), row_panels, tile_update)])
-    copy_decl = [ir.DeclArray(packed_b.buffer, spec.dtype, blk.kc * blk.nc)] if b_copy else []
-    body = [ir.DeclArray(tile, spec.dtype, blk.mc * blk.nc), *edge_decl, *copy_decl,
-            ir.Loop(kb, iconst(0), iconst(k_blocks), [*edge_pack, *b_copy, compute])]
+    return tile_update
+
+
+def _epilogue(ctx: StageCtx, spec: Contraction, pr: _Product, t: _Task) -> ir.Stmt:
+    """Each micro-tile's results through the epilogue right after its last update, from L1."""
+    uk, blk = pr.uk, pr.blk
+    if pr.folded:
+        epilogue = _folded_epilogue(ctx, spec, blk.nc, t.tile, (t.i0, t.i, uk.mr, pr.rows),
+                                    (t.j0, t.j, uk.nr), t.row_of)
+    else:
+        epilogue = tile_epilogue(ctx, spec, blk.nc, t.tile, t.b, (t.i0, t.i, uk.mr),
+                                 (t.j0, t.j, uk.nr))
+    k_blocks = pr.blocks[2]
+    return ir.If(index_compare("eq", t.kb, k_blocks - 1), [epilogue]) if k_blocks > 1 else epilogue
+
+
+def _stage(ctx: StageCtx, spec: Contraction, pr: _Product, t: _Task, tile_update: list[ir.Stmt],
+           per_slice: list[ir.Stmt]) -> None:
+    """The parallel loop over tasks: for each slice of the sum, `per_slice` (copies of its
+    operands), then every micro-tile of the block, column panels outermost."""
+    uk, blk = pr.uk, pr.blk
+    row_blocks, col_blocks, k_blocks = pr.blocks
+    tasks = pr.batches * row_blocks * col_blocks
+    row_panels = imin(iconst(blk.mc // uk.mr),
+                      floordiv(sub(iconst(pr.rows + uk.mr - 1), t.i0), uk.mr))
+    col_panels = imin(iconst(blk.nc // uk.nr),
+                      floordiv(sub(iconst(spec.n + uk.nr - 1), t.j0), uk.nr))
+    compute = ir.Loop(t.jp, iconst(0), col_panels,
+                      [ir.Loop(t.ip, iconst(0), row_panels, tile_update)])
+    b_copied = [ir.DeclArray(pr.b.buffer, spec.dtype, blk.kc * blk.nc)] if pr.b_by_tasks else []
+    body = [ir.DeclArray(t.tile, spec.dtype, blk.mc * blk.nc), *b_copied,
+            ir.Loop(t.kb, iconst(0), iconst(k_blocks), [*per_slice, compute])]
+    bt = math.prod(spec.batch)
     ctx.stage(f"contraction {ctx.op.op_type} ({ctx.op.id}), packed GEMM",
-              [ir.Loop(p, iconst(0), iconst(tasks), body, parallel=1,
-                       grain="one" if s.gemm_omp_schedule == "dynamic" else "even")],
+              [ir.Loop(t.p, iconst(0), iconst(tasks), body, parallel=1,
+                       grain="one" if ctx.schedule.gemm_omp_schedule == "dynamic" else "even")],
               bt * spec.m * spec.n * spec.k)
     ctx.info.update(form="packed", micro_kernel=f"{uk.mr}x{uk.nr}", vector_bytes=uk.vector_bytes,
-                    mc=blk.mc, nc=blk.nc, kc=blk.kc, tasks=tasks, product_rows=rows)
-
-
-def _edge_panel(ctx: StageCtx, spec: Contraction, edge: str, uk: MicroKernel,
-                extent: tuple[int, int], row_of: Callable[[Expr], tuple[Expr, Expr]], k0: Expr,
-                kc: Expr) -> list[ir.Stmt]:
-    """edge[k·mr + r] = A[first + r, k0 + k] for the `kc` sums of the block, `extent` = (first,
-    rows); the rows past the product's repeat its last one (their results are never stored)."""
-    first, rows = extent
-    r, k = ctx.var("r", uk.mr), ctx.var("k", spec.k)
-    batch, row = row_of(imin(add(iconst(first), r), iconst(rows - 1)))
-    value = spec.a(batch_of(spec, batch, spec.a_batch), row, add(k0, k))
-    return [ir.Loop(r, iconst(0), iconst(uk.mr), [
-        ir.Loop(k, iconst(0), kc, [ir.ArrayStore(edge, add(mul(k, uk.mr), r), value)], simd=True)])]
+                    mc=blk.mc, nc=blk.nc, kc=blk.kc, tasks=tasks, product_rows=pr.rows)
 
 
 def _folded_epilogue(ctx: StageCtx, spec: Contraction, ldc: int, tile: str,
