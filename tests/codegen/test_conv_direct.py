@@ -106,6 +106,41 @@ def test_late_stage_convs_run_with_pixels_as_rows():
 
 
 @st.composite
+def ragged_pointwise_cases(draw):
+    """1 × 1 convs onto images whose pixel count is no whole number of GEMM panels (a 14 × 14
+    or 7 × 7 stage's), with a long sum: as pixels-as-columns GEMMs their input would be copied
+    block by block by every block of output channels, so many run with pixels as rows."""
+    cin = draw(st.integers(64, 700))
+    cout = draw(st.integers(16, 330))
+    size = [draw(st.integers(3, 15)) for _ in range(2)]
+    return (draw(st.integers(1, 2)), cin, *size), (cout, cin, 1, 1), {"kernel_shape": [1, 1]}
+
+
+@settings(max_examples=20, deadline=None)
+@given(ragged_pointwise_cases(), st.sampled_from(["none", "relu-in", "relu-out"]))
+def test_ragged_pointwise_conv(case, fusion):
+    onnx_model, inputs = _conv_model(case, fusion, seed=11)
+    check_model(onnx_model, inputs, partitioners=("none", "dnnfusion"))
+
+
+def test_pointwise_conv_whose_input_every_task_would_copy_runs_with_pixels_as_rows():
+    """A 1 × 1 conv 960 → 160 onto a 7 × 7 image: as pixels-as-columns GEMM, 49 pixels are no
+    whole panel, so each of its blocks of output channels would copy the 960 × 49 input again;
+    it runs with pixels as rows (the input packed once) and matches onnxruntime. With 3136
+    pixels (whole panels, read in place), the same conv keeps pixels as columns."""
+    rng = np.random.default_rng(12)
+    inits = {"w": rng.standard_normal((160, 960, 1, 1)).astype(np.float32)}
+    spec = {"x": ((1, 960, 7, 7), "float32")}
+    onnx_model = model([helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[1, 1])],
+                       spec, ["y"], inits)
+    check_model(onnx_model, random_inputs(spec), partitioners=("none",))
+    assert "pixels as rows" in _forms(onnx_model)
+    large = model([helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[1, 1])],
+                  {"x": ((1, 960, 56, 56), "float32")}, ["y"], inits)
+    assert "pixels as rows" not in _forms(large)
+
+
+@st.composite
 def winograd_cases(draw):
     """3×3 stride-1 convs with enough 2×2 output tiles for Winograd: odd and even sizes, pads
     of 0–2 on each side, batches."""
