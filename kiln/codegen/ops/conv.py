@@ -68,7 +68,7 @@ from kiln.codegen.ops.registry import inline, stage
 from kiln.codegen.gemm.contraction import contraction
 from kiln.codegen.gemm.spec import AOperand, BOperand, Contraction
 from kiln.codegen.gemm.blocking import blocking, round_up
-from kiln.codegen.gemm.packed import micro_kernel
+from kiln.codegen.gemm.packed import TASK_COPY_BYTES, micro_kernel
 from kiln.codegen.ops.conv_direct import (
     depthwise_plane,
     depthwise_plane_applies,
@@ -224,7 +224,8 @@ def _pixels_as_rows(ctx: StageCtx, dtype: str, channels_out: int, pixels: int, r
     packed element, and each result costs two more: stored apart from its channel's
     neighbours, then read back by the epilogue's pass (`_by_pixels`). `copied`: the other way
     round, the input (B) is copied block by block by the GEMM's tasks, since its rows are not
-    whole panels (`kiln.codegen.gemm.packing.b_copied_by_tasks`): once per block of output
+    whole panels (`kiln.codegen.gemm.packing.b_copied_by_tasks`; larger blocks than
+    `TASK_COPY_BYTES` are packed once by a stage of their own): once per block of output
     channels, as many times as the task split makes such blocks (on a 14 × 14 or 7 × 7 image,
     with 2 threads, often as much work as the products)."""
     s = ctx.schedule
@@ -237,7 +238,8 @@ def _pixels_as_rows(ctx: StageCtx, dtype: str, channels_out: int, pixels: int, r
     if copied:
         blk = blocking(channels_out, pixels, reduction, batch, uk, s.gemm_mc, s.gemm_nc,
                        s.gemm_kc)
-        as_columns += cycle * -(-channels_out // blk.mc) * reduction * columns(uk.nr)
+        if blk.kc * blk.nc * np.dtype(dtype).itemsize <= TASK_COPY_BYTES:
+            as_columns += cycle * -(-channels_out // blk.mc) * reduction * columns(uk.nr)
     as_rows = ((round_up(pixels, uk.mr) * round_up(channels_out, uk.nr) + cycle * pixels)
                * reduction + 2 * cycle * pixels * channels_out)
     return as_rows < as_columns
