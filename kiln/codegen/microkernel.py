@@ -33,6 +33,8 @@ ISA_TILES = (
     ("neon", 16, 8, 12),
 )
 FALLBACK_TILE = (16, 4, 8)  # SSE-width vectors: every x86-64 and aarch64 CPU has them
+# Vector registers a micro-kernel may fill, per vector width in bytes (16: SSE's 16, not NEON's 32).
+VECTOR_REGISTERS = {64: 32, 32: 16, 16: 16}
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,10 @@ from onnx import helper
 
 from kiln import frontend
 from kiln.codegen import generate
+from kiln.codegen.gemm.blocking import round_up
+from kiln.codegen.microkernel import VECTOR_REGISTERS, tile_for
+from kiln.codegen.ops.conv_direct import direct_columns, direct_tile
+from kiln.codegen.ops.conv_window import Window
 from kiln.target import Target, host_target, target
 from tests.codegen.harness import check_model, model, plan_for, random_inputs
 
@@ -56,6 +60,71 @@ def test_strided_stem_uses_the_direct_kernel():
                                          strides=[2, 2], pads=[3, 3, 3, 3])], spec, ["y"], inits)
     check_model(onnx_model, random_inputs(spec), partitioners=("none",))
     assert "direct GEMM grid 4x" in _forms(onnx_model)
+
+
+@st.composite
+def eight_row_cases(draw):
+    """2-D convs whose output channels are a multiple of 8 but not of 12, onto images of a few
+    hundred pixels: the direct kernel's tile narrows to 8 rows (AVX-512) or 4 (AVX2) and widens
+    its panels of pixels to 3 vectors."""
+    cin = draw(st.sampled_from([1, 3, 5, 8]))
+    cout = 8 * draw(st.sampled_from([2, 4, 5, 7, 8]))
+    attrs = draw(windows([3, 3, 5, 7], max_pad=3, group=1))
+    kernel, dilations, pads = attrs["kernel_shape"], attrs["dilations"], attrs["pads"]
+    spatial = []
+    for d in range(2):
+        reach = (kernel[d] - 1) * dilations[d] + 1
+        spatial.append(max(draw(st.integers(12, 40)), reach - pads[d] - pads[d + 2]))
+    return (draw(st.integers(1, 2)), cin, *spatial), (cout, cin, *kernel), attrs
+
+
+@settings(max_examples=20, deadline=None)
+@given(eight_row_cases(), st.sampled_from(["none", "relu-in", "relu-out", "pad-in"]))
+def test_direct_conv_with_a_reshaped_tile(case, fusion):
+    onnx_model, inputs = _conv_model(case, fusion, seed=7)
+    check_model(onnx_model, inputs, partitioners=("none", "dnnfusion"))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from([("avx512f",), ("avx2",), ("neon",)]), st.integers(16, 600),
+       windows([1, 3, 5, 7], max_pad=3, group=1), st.integers(1, 120))
+def test_direct_tile_does_no_more_work_than_the_targets(isa, channels_out, attrs, size):
+    """The direct kernel's tile keeps the target tile's accumulators, needs no more loads per
+    step nor more registers, and its whole tiles hold no more products than the target's."""
+    base = tile_for(isa, "float32")
+    kernel, strides, dilations = attrs["kernel_shape"], attrs["strides"], attrs["dilations"]
+    reach = [(k - 1) * d + 1 for k, d in zip(kernel, dilations)]
+    spatial = [max(size, r) for r in reach]
+    w = Window(tuple(spatial), tuple((n - r) // s + 1 for n, r, s in zip(spatial, reach, strides)),
+               tuple(kernel), tuple(strides), tuple(dilations), (0, 0), (0, 0))
+    uk = direct_tile(base, w, channels_out)
+    vectors, base_vectors = uk.nr // uk.lanes, base.nr // base.lanes
+    assert uk.indirect and uk.vector_bytes == base.vector_bytes
+    assert uk.mr * vectors == base.mr * base_vectors
+    assert uk.mr + vectors <= base.mr + base_vectors
+    assert uk.mr * vectors + vectors + 1 <= max(VECTOR_REGISTERS[base.vector_bytes],
+                                               base.mr * base_vectors + base_vectors + 1)
+    assert (round_up(channels_out, uk.mr) * direct_columns(w, uk.nr)
+            <= round_up(channels_out, base.mr) * direct_columns(w, base.nr))
+
+
+def test_stem_onto_64_channels_runs_with_a_tile_of_whole_channels():
+    """A 7 × 7 stride-2 stem onto 64 channels: 12 rows would compute 72 channels, so AVX-512's
+    direct tile is 8 × 48 and AVX2's 4 × 24 (both 24 and 12 accumulators, as the targets')."""
+    stem = Window((224, 224), (112, 112), (7, 7), (2, 2), (1, 1), (3, 3), (3, 3))
+    assert [(uk.mr, uk.nr) for uk in (direct_tile(tile_for(isa, "float32"), stem, 64)
+                                      for isa in (("avx512f",), ("avx2",)))] == [(8, 48), (4, 24)]
+    rng = np.random.default_rng(8)
+    spec = {"x": ((1, 3, 40, 44), "float32")}
+    inits = {"w": rng.standard_normal((64, 3, 7, 7)).astype(np.float32)}
+    onnx_model = model([helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[7, 7],
+                                         strides=[2, 2], pads=[3, 3, 3, 3])], spec, ["y"], inits)
+    check_model(onnx_model, random_inputs(spec), partitioners=("none",))
+    graph = frontend.build(onnx_model, {}, "test")
+    tiles = [info.get("micro_kernel") for kernel in generate(plan_for(graph, "none"),
+                                                             target("x86_64"))
+             for info in kernel.schedule.get("stages", [])]
+    assert "4x24" in tiles
 
 
 @st.composite
