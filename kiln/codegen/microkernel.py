@@ -38,6 +38,8 @@ FALLBACK_TILE = (16, 4, 8)  # SSE-width vectors: every x86-64 and aarch64 CPU ha
 # or more, 8 ways or more): addresses L1_SET_SPAN apart share a set, L1_WAYS lines of a set fit.
 L1_WAYS = 8
 L1_SET_SPAN = 4096
+# Vector registers a micro-kernel may fill, per vector width in bytes (16: SSE's 16, not NEON's 32).
+VECTOR_REGISTERS = {64: 32, 32: 16, 16: 16}
 
 
 @dataclass(frozen=True)

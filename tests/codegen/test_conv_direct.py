@@ -10,7 +10,11 @@ from onnx import helper
 
 from kiln import frontend
 from kiln.codegen import generate
-from kiln.target import host_target
+from kiln.codegen.gemm.blocking import round_up
+from kiln.codegen.microkernel import VECTOR_REGISTERS, tile_for
+from kiln.codegen.ops.conv_direct import direct_columns, direct_tile
+from kiln.codegen.ops.conv_window import Window
+from kiln.target import Target, host_target, target
 from tests.codegen.harness import check_model, model, plan_for, random_inputs
 
 
@@ -59,6 +63,71 @@ def test_strided_stem_uses_the_direct_kernel():
 
 
 @st.composite
+def eight_row_cases(draw):
+    """2-D convs whose output channels are a multiple of 8 but not of 12, onto images of a few
+    hundred pixels: the direct kernel's tile narrows to 8 rows (AVX-512) or 4 (AVX2) and widens
+    its panels of pixels to 3 vectors."""
+    cin = draw(st.sampled_from([1, 3, 5, 8]))
+    cout = 8 * draw(st.sampled_from([2, 4, 5, 7, 8]))
+    attrs = draw(windows([3, 3, 5, 7], max_pad=3, group=1))
+    kernel, dilations, pads = attrs["kernel_shape"], attrs["dilations"], attrs["pads"]
+    spatial = []
+    for d in range(2):
+        reach = (kernel[d] - 1) * dilations[d] + 1
+        spatial.append(max(draw(st.integers(12, 40)), reach - pads[d] - pads[d + 2]))
+    return (draw(st.integers(1, 2)), cin, *spatial), (cout, cin, *kernel), attrs
+
+
+@settings(max_examples=20, deadline=None)
+@given(eight_row_cases(), st.sampled_from(["none", "relu-in", "relu-out", "pad-in"]))
+def test_direct_conv_with_a_reshaped_tile(case, fusion):
+    onnx_model, inputs = _conv_model(case, fusion, seed=7)
+    check_model(onnx_model, inputs, partitioners=("none", "dnnfusion"))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from([("avx512f",), ("avx2",), ("neon",)]), st.integers(16, 600),
+       windows([1, 3, 5, 7], max_pad=3, group=1), st.integers(1, 120))
+def test_direct_tile_does_no_more_work_than_the_targets(isa, channels_out, attrs, size):
+    """The direct kernel's tile keeps the target tile's accumulators, needs no more loads per
+    step nor more registers, and its whole tiles hold no more products than the target's."""
+    base = tile_for(isa, "float32")
+    kernel, strides, dilations = attrs["kernel_shape"], attrs["strides"], attrs["dilations"]
+    reach = [(k - 1) * d + 1 for k, d in zip(kernel, dilations)]
+    spatial = [max(size, r) for r in reach]
+    w = Window(tuple(spatial), tuple((n - r) // s + 1 for n, r, s in zip(spatial, reach, strides)),
+               tuple(kernel), tuple(strides), tuple(dilations), (0, 0), (0, 0))
+    uk = direct_tile(base, w, channels_out)
+    vectors, base_vectors = uk.nr // uk.lanes, base.nr // base.lanes
+    assert uk.indirect and uk.vector_bytes == base.vector_bytes
+    assert uk.mr * vectors == base.mr * base_vectors
+    assert uk.mr + vectors <= base.mr + base_vectors
+    assert uk.mr * vectors + vectors + 1 <= max(VECTOR_REGISTERS[base.vector_bytes],
+                                               base.mr * base_vectors + base_vectors + 1)
+    assert (round_up(channels_out, uk.mr) * direct_columns(w, uk.nr)
+            <= round_up(channels_out, base.mr) * direct_columns(w, base.nr))
+
+
+def test_stem_onto_64_channels_runs_with_a_tile_of_whole_channels():
+    """A 7 × 7 stride-2 stem onto 64 channels: 12 rows would compute 72 channels, so AVX-512's
+    direct tile is 8 × 48 and AVX2's 4 × 24 (both 24 and 12 accumulators, as the targets')."""
+    stem = Window((224, 224), (112, 112), (7, 7), (2, 2), (1, 1), (3, 3), (3, 3))
+    assert [(uk.mr, uk.nr) for uk in (direct_tile(tile_for(isa, "float32"), stem, 64)
+                                      for isa in (("avx512f",), ("avx2",)))] == [(8, 48), (4, 24)]
+    rng = np.random.default_rng(8)
+    spec = {"x": ((1, 3, 40, 44), "float32")}
+    inits = {"w": rng.standard_normal((64, 3, 7, 7)).astype(np.float32)}
+    onnx_model = model([helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[7, 7],
+                                         strides=[2, 2], pads=[3, 3, 3, 3])], spec, ["y"], inits)
+    check_model(onnx_model, random_inputs(spec), partitioners=("none",))
+    graph = frontend.build(onnx_model, {}, "test")
+    tiles = [info.get("micro_kernel") for kernel in generate(plan_for(graph, "none"),
+                                                             target("x86_64"))
+             for info in kernel.schedule.get("stages", [])]
+    assert "4x24" in tiles
+
+
+@st.composite
 def pixel_rows_cases(draw):
     """Convs with few output pixels and many output channels per group (a late stage's 7 × 7
     image), which run as the GEMM with pixels as rows: ragged channel counts, any kernel
@@ -86,8 +155,10 @@ def test_pixel_rows_conv(case, fusion):
 
 def test_late_stage_convs_run_with_pixels_as_rows():
     """A 3 × 3 stride-2 conv and a 1 × 1 conv onto a 7 × 7 image with 256 output channels: 49
-    pixels would fill 64 GEMM columns, so they run as the transposed GEMM (54 rows) and match
-    onnxruntime; the same conv onto a 28 × 28 image keeps pixels as columns."""
+    pixels would fill 64 GEMM columns, so with AVX2's 6 × 16 micro-tile they run as the
+    transposed GEMM (54 rows), and match onnxruntime on this machine; the same conv onto a
+    28 × 28 image keeps pixels as columns. (AVX-512's 12 × 32 tile wastes 11 of 60 rows too:
+    there the 3 × 3 conv keeps the direct kernel.)"""
     rng = np.random.default_rng(10)
     spec = {"x": ((1, 32, 14, 14), "float32")}
     inits = {"w3": rng.standard_normal((256, 32, 3, 3)).astype(np.float32),
@@ -98,10 +169,45 @@ def test_late_stage_convs_run_with_pixels_as_rows():
         helper.make_node("Relu", ["c"], ["r"]),
         helper.make_node("Conv", ["r", "w1"], ["y"], kernel_shape=[1, 1])], spec, ["y"], inits)
     check_model(onnx_model, random_inputs(spec), partitioners=("none",))
-    assert _forms(onnx_model).count("pixels as rows") == 2
+    assert _forms(onnx_model, target("x86_64")).count("pixels as rows") == 2
     large = model([helper.make_node("Conv", ["x", "w3"], ["y"], kernel_shape=[3, 3],
                                     pads=[1, 1, 1, 1])],
                   {"x": ((1, 32, 28, 28), "float32")}, ["y"], inits)
+    assert "pixels as rows" not in _forms(large, target("x86_64"))
+
+
+@st.composite
+def ragged_pointwise_cases(draw):
+    """1 × 1 convs onto images whose pixel count is no whole number of GEMM panels (a 14 × 14
+    or 7 × 7 stage's), with a long sum: as pixels-as-columns GEMMs their input would be copied
+    block by block by every block of output channels, so many run with pixels as rows."""
+    cin = draw(st.integers(64, 700))
+    cout = draw(st.integers(16, 330))
+    size = [draw(st.integers(3, 15)) for _ in range(2)]
+    return (draw(st.integers(1, 2)), cin, *size), (cout, cin, 1, 1), {"kernel_shape": [1, 1]}
+
+
+@settings(max_examples=20, deadline=None)
+@given(ragged_pointwise_cases(), st.sampled_from(["none", "relu-in", "relu-out"]))
+def test_ragged_pointwise_conv(case, fusion):
+    onnx_model, inputs = _conv_model(case, fusion, seed=11)
+    check_model(onnx_model, inputs, partitioners=("none", "dnnfusion"))
+
+
+def test_pointwise_conv_whose_input_every_task_would_copy_runs_with_pixels_as_rows():
+    """A 1 × 1 conv 960 → 160 onto a 7 × 7 image: as pixels-as-columns GEMM, 49 pixels are no
+    whole panel, so each of its blocks of output channels would copy the 960 × 49 input again;
+    it runs with pixels as rows (the input packed once) and matches onnxruntime. With 3136
+    pixels (whole panels, read in place), the same conv keeps pixels as columns."""
+    rng = np.random.default_rng(12)
+    inits = {"w": rng.standard_normal((160, 960, 1, 1)).astype(np.float32)}
+    spec = {"x": ((1, 960, 7, 7), "float32")}
+    onnx_model = model([helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[1, 1])],
+                       spec, ["y"], inits)
+    check_model(onnx_model, random_inputs(spec), partitioners=("none",))
+    assert "pixels as rows" in _forms(onnx_model)
+    large = model([helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[1, 1])],
+                  {"x": ((1, 960, 56, 56), "float32")}, ["y"], inits)
     assert "pixels as rows" not in _forms(large)
 
 
@@ -187,10 +293,11 @@ def _conv_model(case, fusion: str, seed: int):
     return model(nodes, spec, ["y"], inits), random_inputs(spec)
 
 
-def _forms(onnx_model) -> str:
-    """The kernel forms the stages of `onnx_model`'s kernels (partitioner none) were built as."""
+def _forms(onnx_model, on: Target | None = None) -> str:
+    """The kernel forms the stages of `onnx_model`'s kernels (partitioner none) were built as,
+    for target `on` (default: this machine)."""
     graph = frontend.build(onnx_model, {}, "test")
-    kernels = generate(plan_for(graph, "none"), host_target())
+    kernels = generate(plan_for(graph, "none"), on or host_target())
     return " ".join(str(info.get("form")) + (f" grid {info['grid']}" if info.get("grid") else "")
                     + (f" ({info['conv']})" if info.get("conv") else "")
                     for kernel in kernels for info in kernel.schedule.get("stages", []))

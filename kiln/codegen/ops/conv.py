@@ -67,8 +67,8 @@ from kiln.codegen.contexts import InlineCtx, StageCtx
 from kiln.codegen.ops.registry import inline, stage
 from kiln.codegen.gemm.contraction import contraction
 from kiln.codegen.gemm.spec import AOperand, BOperand, Contraction
-from kiln.codegen.gemm.blocking import round_up
-from kiln.codegen.gemm.packed import micro_kernel
+from kiln.codegen.gemm.blocking import blocking, round_up
+from kiln.codegen.gemm.packed import TASK_COPY_BYTES, micro_kernel
 from kiln.codegen.ops.conv_direct import (
     depthwise_plane,
     depthwise_plane_applies,
@@ -214,15 +214,20 @@ def _implicit_gemm(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: Conv
 
 
 def _pixels_as_rows(ctx: StageCtx, dtype: str, channels_out: int, pixels: int, reduction: int,
-                    columns: Callable[[int], int]) -> bool:
+                    columns: Callable[[int], int], batch: int = 1, copied: bool = False) -> bool:
     """Whether a conv's GEMM does less work with the output pixels as its rows and the output
     channels as its columns than the other way round (`columns(nr)`: the pixels as that way
-    lays them out, in whole panels of nr; `reduction`: the sum's length). The micro-tile is
-    mr × nr (6 × 16 on AVX2): a 7 × 7 image's 49 pixels fill 64 columns, a quarter of the work
-    wasted, but 54 rows. Pixels as rows pack the input's im2col once per call, about one
-    micro-kernel cycle (2 FMAs of a vector: 2 × lanes products) per packed element, and each
-    result costs two more: stored apart from its channel's neighbours, then read back by the
-    epilogue's pass (`_by_pixels`)."""
+    lays them out, in whole panels of nr; `reduction`: the sum's length; `batch`: GEMMs per
+    call). The micro-tile is mr × nr (6 × 16 on AVX2): a 7 × 7 image's 49 pixels fill 64
+    columns, a quarter of the work wasted, but 54 rows. Pixels as rows pack the input's im2col
+    once per call, about one micro-kernel cycle (2 FMAs of a vector: 2 × lanes products) per
+    packed element, and each result costs two more: stored apart from its channel's
+    neighbours, then read back by the epilogue's pass (`_by_pixels`). `copied`: the other way
+    round, the input (B) is copied block by block by the GEMM's tasks, since its rows are not
+    whole panels (`kiln.codegen.gemm.packing.b_copied_by_tasks`; larger blocks than
+    `TASK_COPY_BYTES` are packed once by a stage of their own): once per block of output
+    channels, as many times as the task split makes such blocks (on a 14 × 14 or 7 × 7 image,
+    with 2 threads, often as much work as the products)."""
     s = ctx.schedule
     if (dtype not in ("float32", "float64") or s.vector_bytes == 0 or s.gemm_work_group
             or pixels < s.gemm_min_m or channels_out < s.gemm_min_n):
@@ -230,6 +235,11 @@ def _pixels_as_rows(ctx: StageCtx, dtype: str, channels_out: int, pixels: int, r
     uk = micro_kernel(ctx, dtype)
     cycle = 2 * uk.lanes
     as_columns = round_up(channels_out, uk.mr) * columns(uk.nr) * reduction
+    if copied:
+        blk = blocking(channels_out, pixels, reduction, batch, uk, s.gemm_mc, s.gemm_nc,
+                       s.gemm_kc)
+        if blk.kc * blk.nc * np.dtype(dtype).itemsize <= TASK_COPY_BYTES:
+            as_columns += cycle * -(-channels_out // blk.mc) * reduction * columns(uk.nr)
     as_rows = ((round_up(pixels, uk.mr) * round_up(channels_out, uk.nr) + cycle * pixels)
                * reduction + 2 * cycle * pixels * channels_out)
     return as_rows < as_columns
@@ -324,7 +334,8 @@ def _pointwise(ctx: StageCtx, w_shape: tuple[int, ...], ops: ConvOperands) -> No
     def out_index(b: Expr, i: Expr, j: Expr) -> Index:
         return Index(out.shape, flat=add(mul(add(mul(b, m), i), pixels), j))
 
-    if _pixels_as_rows(ctx, ops.acc_dtype, m, pixels, c, lambda nr: round_up(pixels, nr)):
+    if _pixels_as_rows(ctx, ops.acc_dtype, m, pixels, c, lambda nr: round_up(pixels, nr), n,
+                       pixels % micro_kernel(ctx, ops.acc_dtype).nr != 0):
         _by_pixels(ctx, ops, (n,), (pixels, m, c), ((n,), ()), lambda b, i, k: pixel(b, k, i),
                    lambda _, k, j: weight(j, k))
         ctx.info["conv"] = "GEMM, pixels as rows"
