@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -60,6 +60,7 @@ FLOATS = ("float32", "float64")
 SCORES_BYTES = 32 * 1024  # a tile's scores stay within a 32 KiB L1 data cache
 STACK_BYTES = 384 * 1024  # every local array of one work item (one thread's stack)
 MIN_ITEMS = 8  # work items wanted before row tiles shrink below what L1 allows
+PANEL_OVERHEAD_ROWS = 4  # a micro-tile's fixed cost in rows of multiply-adds (measured, Zen 4)
 REFUSAL = "fused attention"  # the (op, tensor) key a failed trial leaves in the block's refusals
 
 
@@ -67,7 +68,8 @@ REFUSAL = "fused attention"  # the (op, tensor) key a failed trial leaves in the
 class Geometry:
     """Scores [*batch, m, n] = Q [*, m, d] · Kᵀ [*, d, n]; out [*batch, m, dv] = P · V [*, n, dv];
     row tiles of `rows` query rows (`rows_pad` with the micro-kernel's column padding), `groups`
-    work items per batch element of `per_group` tiles each (K and V packed once per item)."""
+    work items per batch element of `per_group` tiles each (K and V packed once per item); K in
+    panels of `mr_keys` key positions, V in panels of `mr_values` value columns."""
 
     batch: tuple[int, ...]
     m: int
@@ -80,6 +82,8 @@ class Geometry:
     rows_pad: int
     tiles: int
     groups: int
+    mr_keys: int
+    mr_values: int
 
     @property
     def per_group(self) -> int:
@@ -107,7 +111,8 @@ def geometry(graph: Graph, chain: AttentionChain, schedule: Schedule) -> Geometr
     uk = micro_kernel_for(schedule, dtype)
     m, n = scores[-2:]
     itemsize = np.dtype(dtype).itemsize
-    n_pad = round_up(n, uk.mr)
+    mr_keys, mr_values = panel_rows(n, uk.mr), panel_rows(dv, uk.mr)
+    n_pad = round_up(n, mr_keys)
     rows_pad = round_up(m, uk.nr)
     while rows_pad > uk.nr and n_pad * rows_pad * itemsize > SCORES_BYTES:
         rows_pad -= uk.nr
@@ -117,8 +122,19 @@ def geometry(graph: Graph, chain: AttentionChain, schedule: Schedule) -> Geometr
     tiles = -(-m // rows_pad)
     rows = -(-m // tiles)  # the same number of rows in every tile
     groups = min(tiles, -(-MIN_ITEMS // max(batch, 1)))
-    return Geometry(tuple(scores[:-2]), m, n, q[-1], dv, n_pad, round_up(dv, uk.mr), rows,
-                    round_up(rows, uk.nr), tiles, groups)
+    return Geometry(tuple(scores[:-2]), m, n, q[-1], dv, n_pad, round_up(dv, mr_values), rows,
+                    round_up(rows, uk.nr), tiles, groups, mr_keys, mr_values)
+
+
+def panel_rows(extent: int, mr: int) -> int:
+    """Rows of a product's A panels (at most the micro-kernel's `mr`): the fewest panels' worth of
+    multiply-adds, each panel costing its rows plus PANEL_OVERHEAD_ROWS (loading and storing its
+    accumulators, the call). For a number of panels the shortest rows that cover `extent` pad
+    least: 64 value columns run as 6 panels of 11 rather than 6 of 12 with 8 rows of zeros."""
+    least = -(-extent // mr)
+    counts = range(least, max(least, -(-2 * extent // mr)) + 1)  # panels of at least mr/2 rows
+    best = min(counts, key=lambda panels: panels * (-(-extent // panels) + PANEL_OVERHEAD_ROWS))
+    return -(-extent // best)
 
 
 def micro_kernel_for(schedule: Schedule, dtype: str) -> MicroKernel:
@@ -157,6 +173,7 @@ def fused_attention(ctx: StageCtx, chain: AttentionChain) -> None:
     g = geometry(graph, chain, ctx.schedule)
     dtype = ctx.out().dtype
     uk = micro_kernel_for(ctx.schedule, dtype)
+    uk_keys, uk_values = (replace(uk, mr=g.mr_keys), replace(uk, mr=g.mr_values))
     read = ctx.builder.value
     shape_of = {t: graph.tensors[t].shape for t in (first.inputs[0], first.inputs[1],
                                                      second.inputs[1], first.outputs[0])}
@@ -187,8 +204,8 @@ def fused_attention(ctx: StageCtx, chain: AttentionChain) -> None:
         ir.DeclArray(mx, dtype, g.rows_pad), ir.DeclArray(sm, dtype, g.rows_pad)]
 
     # K in panels of mr key positions, V in panels of mr value columns (the micro-kernel's A)
-    body += _panels(ctx, kp, uk.mr, g.n, g.d, lambda key, k: at(first.inputs[1], k, key), dtype)
-    body += _panels(ctx, vp, uk.mr, g.dv, g.n, lambda col, j: at(second.inputs[1], j, col), dtype)
+    body += _panels(ctx, kp, g.mr_keys, g.n, g.d, lambda key, k: at(first.inputs[1], k, key), dtype)
+    body += _panels(ctx, vp, g.mr_values, g.dv, g.n, lambda col, j: at(second.inputs[1], j, col), dtype)
     tile_body: list[ir.Stmt] = []
     # Qᵀ of the tile: qt[k·rows_pad + c] = Q[i0 + c, k], zero past the last query row
     k2, c = ctx.var("kk", g.d), ctx.var("c", g.rows_pad)
@@ -197,7 +214,7 @@ def fused_attention(ctx: StageCtx, chain: AttentionChain) -> None:
             ir.ArrayStore(qt, add(mul(k2, g.rows_pad), c),
                           zero_past(add(i0, c), g.m, lambda i: at(first.inputs[0], i, k2)))],
                 simd=True)]))
-    tile_body.append(_product(ctx, uk, g.n_pad, g.d, kp, g.d, qt, st, g.rows_pad))
+    tile_body.append(_product(ctx, uk_keys, g.n_pad, g.d, kp, g.d, qt, st, g.rows_pad))
 
     # the chain's elementwise ops, column maxima, exponentials and column sums
     c2, j2 = ctx.var("c", g.rows_pad), ctx.var("j", g.n)
@@ -228,7 +245,7 @@ def fused_attention(ctx: StageCtx, chain: AttentionChain) -> None:
                                                 array_load(mx, dtype, c4)))),
             ir.ArrayStore(st, slot3, e),
             ir.ArrayStore(sm, c4, binary("add", array_load(sm, dtype, c4), e))], simd=True)]))
-    tile_body.append(_product(ctx, uk, g.dv_pad, g.n, vp, g.n, st, ot, g.rows_pad))
+    tile_body.append(_product(ctx, uk_values, g.dv_pad, g.n, vp, g.n, st, ot, g.rows_pad))
 
     # O[i, :] = Oᵀ[:, i - i0] / sum[i - i0], through the second MatMul's epilogue (i ranges over
     # the query rows, so that the epilogue's index maps simplify as the packed GEMM's do)
@@ -249,7 +266,7 @@ def fused_attention(ctx: StageCtx, chain: AttentionChain) -> None:
                        [ir.Loop(group, iconst(0), iconst(g.groups), body)], parallel=1,
                        grain="one")],
               math.prod(g.batch) * g.tiles * g.rows_pad * g.n * (g.d + g.dv))
-    ctx.info.update(form="fused attention", micro_kernel=f"{uk.mr}x{uk.nr}", rows=g.rows,
+    ctx.info.update(form="fused attention", micro_kernel=f"{g.mr_keys}x{uk.nr}, {g.mr_values}x{uk.nr}", rows=g.rows,
                     tiles=g.tiles, items=g.items)
 
 
