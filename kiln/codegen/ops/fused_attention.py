@@ -11,7 +11,7 @@ operations, no horizontal reductions) and both products read their right operand
 * per row tile: Qᵀ of the tile into a local array, `nr`-padded columns (zero past the last query row);
 * Sᵀ = K · Qᵀ with the backend's GEMM micro-kernel, no packing of the scores;
 * the elementwise ops of the chain (scale, bias, mask: any One-to-One ops the block fuses) on
-  each score, the column maxima, exp(s − max) in place and the column sums;
+  each score (a constant they read down the score columns from a copy in loop order), the column maxima, exp(s − max) in place and the column sums;
 * Oᵀ = Vᵀ · Sᵀ with the same micro-kernel, reading the exponentials where they are;
 * O[i, :] = Oᵀ[:, i] / sum[i] through the second MatMul's fused epilogue (the output Transpose
   and Reshape) into the outputs.
@@ -34,6 +34,7 @@ from kiln.codegen.contexts import NeedsBuffer, NotFusable, Provided, Refused, St
 from kiln.codegen.expr import (
     BOOL,
     Expr,
+    NotEvaluable,
     add,
     array_load,
     binary,
@@ -42,11 +43,16 @@ from kiln.codegen.expr import (
     iconst,
     imin,
     local,
+    evaluate_index,
     index_compare,
+    linearize,
+    load,
     make,
     mul,
+    rebuild,
     select,
     sub,
+    walk,
 )
 from kiln.codegen.gemm.blocking import round_up
 from kiln.codegen.microkernel import MicroKernel, tile_for
@@ -60,6 +66,7 @@ FLOATS = ("float32", "float64")
 SCORES_BYTES = 32 * 1024  # a tile's scores stay within a 32 KiB L1 data cache
 STACK_BYTES = 384 * 1024  # every local array of one work item (one thread's stack)
 MIN_ITEMS = 8  # work items wanted before row tiles shrink below what L1 allows
+RELAYOUT_GROWTH = 2  # a constant read by the scores is copied in loop order up to this growth
 PANEL_OVERHEAD_ROWS = 4  # a micro-tile's fixed cost in rows of multiply-adds (measured, Zen 4)
 REFUSAL = "fused attention"  # the (op, tensor) key a failed trial leaves in the block's refusals
 
@@ -226,6 +233,7 @@ def fused_attention(ctx: StageCtx, chain: AttentionChain) -> None:
         score = ctx.low.builder({first.outputs[0]: held}).value(normaliser.inputs[0], scores_index)
     except (NotFusable, NeedsBuffer):
         raise Refused(second.id, REFUSAL) from None
+    score = _constants_in_loop_order(ctx, score, (b, group, tile, j2, c2))
     best = array_load(mx, dtype, c2)
     c3 = ctx.var("c", g.rows_pad)
     tile_body.append(ir.Loop(c3, iconst(0), iconst(g.rows_pad), [
@@ -268,6 +276,50 @@ def fused_attention(ctx: StageCtx, chain: AttentionChain) -> None:
               math.prod(g.batch) * g.tiles * g.rows_pad * g.n * (g.d + g.dv))
     ctx.info.update(form="fused attention", micro_kernel=f"{g.mr_keys}x{uk.nr}, {g.mr_values}x{uk.nr}", rows=g.rows,
                     tiles=g.tiles, items=g.items)
+
+
+def _constants_in_loop_order(ctx: StageCtx, score: Expr, loops: tuple[Expr, ...]) -> Expr:
+    """`score` with each constant it reads with a stride along the innermost (vector) loop — a
+    causal mask or a relative-position bias [.., m, n] read down the columns of the scores, a
+    gather per element — read instead from a derived copy laid out in the order of `loops` (over
+    the loops its offset depends on), so that the vector loop reads it contiguously. A copy more
+    than RELAYOUT_GROWTH times the constant's size (a constant broadcast over heads whose
+    offset depends on something else) is not made."""
+    inner = loops[-1]
+    replaced: dict[Expr, Expr] = {}
+    for node in walk([score]):
+        tensor = ctx.graph.tensors.get(node.name) if node.op == "load" else None
+        if tensor is None or not tensor.is_constant:
+            continue
+        offset = node.args[0]
+        if inner not in offset.free or offset.free - set(loops):
+            continue
+        used = [v for v in loops if v in offset.free]
+        extents = [v.range[1] + 1 for v in used]
+        if math.prod(extents) > RELAYOUT_GROWTH * tensor.data.size:
+            continue
+        grid = np.meshgrid(*(np.arange(e) for e in extents), indexing="ij", sparse=True)
+        try:
+            offsets = np.broadcast_to(evaluate_index(offset, dict(zip(used, grid))), extents)
+        except NotEvaluable:
+            continue
+        if np.all(np.diff(offsets, axis=-1) == 1):  # already contiguous along the vector loop
+            continue
+        # offsets past the constant belong to tiles past the last (never read): clipped
+        table = tensor.data.reshape(-1)[np.clip(offsets, 0, tensor.data.size - 1)]
+        replaced[node] = load(ctx.derived(table), node.dtype, linearize(used, tuple(extents)))
+    return _replace(score, replaced, {}) if replaced else score
+
+
+def _replace(e: Expr, mapping: dict[Expr, Expr], memo: dict[Expr, Expr]) -> Expr:
+    """`e` with the nodes of `mapping` replaced (any node, not only the loop variables that
+    `kiln.codegen.expr.substitute` replaces)."""
+    if e in mapping:
+        return mapping[e]
+    if e not in memo:
+        args = tuple(_replace(a, mapping, memo) for a in e.args)
+        memo[e] = e if all(a is b for a, b in zip(args, e.args)) else rebuild(e, args)
+    return memo[e]
 
 
 def _panels(ctx: StageCtx, name: str, mr: int, extent: int, depth: int,
