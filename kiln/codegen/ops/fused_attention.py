@@ -11,7 +11,8 @@ operations, no horizontal reductions) and both products read their right operand
 * per row tile: Qᵀ of the tile into a local array, `nr`-padded columns (zero past the last query row);
 * Sᵀ = K · Qᵀ with the backend's GEMM micro-kernel, no packing of the scores;
 * the elementwise ops of the chain (scale, bias, mask: any One-to-One ops the block fuses) on
-  each score (a constant they read down the score columns from a copy in loop order), the column maxima, exp(s − max) in place and the column sums;
+  each score (a constant they read down the score columns from a copy in loop order), the column
+  maxima, exp(s − max) in place and the column sums;
 * Oᵀ = Vᵀ · Sᵀ with the same micro-kernel, reading the exponentials where they are;
 * O[i, :] = Oᵀ[:, i] / sum[i] through the second MatMul's fused epilogue (the output Transpose
   and Reshape) into the outputs.
