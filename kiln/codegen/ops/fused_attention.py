@@ -6,9 +6,11 @@ groups per element only when there are fewer than MIN_ITEMS elements). It comput
 transposed products, so that the softmax runs down the columns of the scores (vertical vector
 operations, no horizontal reductions) and both products read their right operand in place:
 
-* pack K into panels of `mr` key positions and V into panels of `mr` value columns (local arrays,
-  once per item; the chain's prologue — a Transpose, a Reshape, a scale — evaluated there);
-* per row tile: Qᵀ of the tile into a local array, `nr`-padded columns (zero past the last query row);
+* pack K into panels of key positions and V into panels of value columns, at most `mr` each, as
+  many as pad least (`panel_rows`; local arrays, once per item; the chain's prologue — a
+  Transpose, a Reshape, a scale — evaluated there);
+* per row tile: Qᵀ of the tile into a local array, padded to whole vectors (zero past the last
+  query row);
 * Sᵀ = K · Qᵀ with the backend's GEMM micro-kernel, no packing of the scores;
 * the elementwise ops of the chain (scale, bias, mask: any One-to-One ops the block fuses) on
   each score (a constant they read down the score columns from a copy in loop order), the column
@@ -227,7 +229,8 @@ def fused_attention(ctx: StageCtx, chain: AttentionChain) -> None:
         ir.DeclArray(mx, dtype, g.rows_pad), ir.DeclArray(sm, dtype, g.rows_pad)]
 
     # K in panels of mr key positions, V in panels of mr value columns (the micro-kernel's A)
-    body += _panels(ctx, kp, g.mr_keys, g.n, g.d, lambda key, k: at(first.inputs[1], k, key), dtype)
+    body += _panels(ctx, kp, g.mr_keys, g.n, g.d, lambda key, k: at(first.inputs[1], k, key),
+                    dtype)
     body += _panels(ctx, vp, g.mr_values, g.dv, g.n, lambda col, j: at(second.inputs[1], j, col), dtype)
     tile_body: list[ir.Stmt] = []
     # Qᵀ of the tile: qt[k·rows_pad + c] = Q[i0 + c, k], zero past the last query row
