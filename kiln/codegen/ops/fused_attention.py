@@ -228,10 +228,12 @@ def fused_attention(ctx: StageCtx, chain: AttentionChain) -> None:
         ir.DeclArray(ot, dtype, g.dv_pad * g.rows_pad),
         ir.DeclArray(mx, dtype, g.rows_pad), ir.DeclArray(sm, dtype, g.rows_pad)]
 
-    # K in panels of mr key positions, V in panels of mr value columns (the micro-kernel's A)
+    # K in panels of mr_keys key positions, V in panels of mr_values value columns (the
+    # micro-kernels' A)
     body += _panels(ctx, kp, g.mr_keys, g.n, g.d, lambda key, k: at(first.inputs[1], k, key),
                     dtype)
-    body += _panels(ctx, vp, g.mr_values, g.dv, g.n, lambda col, j: at(second.inputs[1], j, col), dtype)
+    body += _panels(ctx, vp, g.mr_values, g.dv, g.n,
+                    lambda col, j: at(second.inputs[1], j, col), dtype)
     tile_body: list[ir.Stmt] = []
     # Qᵀ of the tile: qt[k·rows_pad + c] = Q[i0 + c, k], zero past the last query row
     k2, c = ctx.var("kk", g.d), ctx.var("c", g.rows_pad)
