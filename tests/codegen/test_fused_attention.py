@@ -4,10 +4,16 @@ stage, against onnxruntime on random shapes: heads, sequence lengths that are no
 vector width, head sizes, masks (additive, boolean, causal) and none."""
 from __future__ import annotations
 
+from dataclasses import fields
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kiln import frontend
 from kiln.codegen import generate
+from kiln.codegen.ops.fused_attention import micro_kernel_for, panel_rows, tile_columns
+from kiln.codegen.schedule import Schedule
 from kiln.plan.chains import attention_chains
 from bench.attention import ADDITIVE, BIAS, BOOLEAN, CAUSAL, attention_model
 from kiln.target import host_target
@@ -39,8 +45,80 @@ def test_fused_attention_matches_onnxruntime(case):
     assert any(set(chains[0].op_ids) <= set(b.op_ids) for b in plan.blocks)
     kernels = generate(plan, host_target())
     assert len(fused_stages(kernels)) == 1
+    if case[6] in (CAUSAL, BIAS) and case[2] > 1:  # a constant varying down the score columns
+        fused = next(k for k in kernels if fused_stages([k]))
+        assert fused.derived_constants, "the constant is not read in the loop order"
     values = run_kernels(plan, kernels, dict(zip(graph.inputs, inputs.values())))
     assert_matches([values[t] for t in graph.outputs], reference(onnx_model, inputs))
+
+
+def _fused_matches_onnxruntime(case) -> tuple[dict, int]:
+    """The fused attention stage of the case's kernel and the kernel's GEMM micro-kernel rows,
+    after checking the outputs against onnxruntime."""
+    onnx_model, inputs = attention_model(*case)
+    graph = frontend.build(onnx_model, {}, "attention")
+    kernels = generate(plan := plan_for(graph, "dnnfusion"), host_target())
+    fused = [k for k in kernels if fused_stages([k])]
+    assert len(fused) == 1 and len(fused_stages(fused)) == 1
+    values = run_kernels(plan, kernels, dict(zip(graph.inputs, inputs.values())))
+    assert_matches([values[t] for t in graph.outputs], reference(onnx_model, inputs))
+    known = {f.name for f in fields(Schedule)}
+    schedule = Schedule(**{k: v for k, v in fused[0].schedule.items() if k in known})
+    return fused_stages(fused)[0], micro_kernel_for(schedule, "float32").mr
+
+
+@settings(max_examples=10, deadline=None)
+@given(heads=st.integers(1, 3), q_len=st.integers(1, 130), kv_len=st.integers(1, 90),
+       head=st.integers(1, 40), value=st.integers(1, 90),
+       mask=st.sampled_from([None, ADDITIVE, BIAS]), packed_q=st.booleans())
+def test_fused_attention_with_short_panels_matches_onnxruntime(heads, q_len, kv_len, head, value,
+                                                               mask, packed_q):
+    """Key and value counts for which K and V run in panels shorter than the micro-kernel's rows
+    (`panel_rows`), each product with its own micro-kernel; query lengths whose tiles are one
+    vector wide (`tile_columns`)."""
+    stage, mr = _fused_matches_onnxruntime((1, heads, q_len, kv_len, head, value, mask,
+                                            packed_q, False))
+    keys, values = (int(tile.split("x")[0]) for tile in stage["micro_kernel"].split(", "))
+    assert (keys, values) == (panel_rows(kv_len, mr), panel_rows(value, mr))
+
+
+@pytest.mark.parametrize("mr", [4, 8, 12, 14])
+def test_panel_rows_pad_no_more_than_whole_micro_kernel_panels(mr):
+    for extent in range(1, 700):
+        rows = panel_rows(extent, mr)
+        assert (mr + 1) // 2 <= rows <= mr or rows == extent < mr
+        assert -(-extent // rows) * rows <= -(-extent // mr) * mr
+        assert -(-extent // rows) <= 2 * -(-extent // mr)
+
+
+@pytest.mark.parametrize(("extent", "rows"), [(64, 11), (128, 12), (197, 11), (49, 10), (32, 11)])
+def test_panel_rows_trades_padding_against_panels(extent, rows):
+    """64 value columns: 6 panels of 11 rather than 6 of 12 (8 rows of zeros) or 8 of 8 (two more
+    micro-tiles); 128 keys: 11 panels of 12 rather than 16 of 8."""
+    assert panel_rows(extent, 12) == rows
+
+
+@pytest.mark.parametrize(("m", "most", "columns"), [
+    (197, 32, 16),  # 13 tiles of 16 rows: 208 columns, not 7 of 29 padded to 32: 224
+    (128, 32, 32),  # no padding either way: the larger tiles
+    (49, 64, 64),  # one tile of 49 rows: 64 columns, as two or four tiles would pad
+    (7, 16, 16),
+])
+def test_tile_columns_pad_least(m, most, columns):
+    assert tile_columns(m, most, 16) == columns
+
+
+@pytest.mark.parametrize("step", [8, 16])
+def test_tile_columns_never_pad_more_than_the_largest_tiles(step):
+    for m in range(1, 400):
+        for most in range(step, 129, step):
+            chosen = tile_columns(m, most, step)
+            assert chosen <= most and chosen % step == 0
+
+            def padded(limit):
+                tiles = -(-m // limit)
+                return tiles * -(-(-(-m // tiles)) // step) * step
+            assert padded(chosen) <= padded(most)
 
 
 @pytest.mark.parametrize("also_read", ["s", "p"])

@@ -6,12 +6,15 @@ groups per element only when there are fewer than MIN_ITEMS elements). It comput
 transposed products, so that the softmax runs down the columns of the scores (vertical vector
 operations, no horizontal reductions) and both products read their right operand in place:
 
-* pack K into panels of `mr` key positions and V into panels of `mr` value columns (local arrays,
-  once per item; the chain's prologue — a Transpose, a Reshape, a scale — evaluated there);
-* per row tile: Qᵀ of the tile into a local array, `nr`-padded columns (zero past the last query row);
+* pack K into panels of key positions and V into panels of value columns, at most `mr` each, as
+  many as pad least (`panel_rows`; local arrays, once per item; the chain's prologue — a
+  Transpose, a Reshape, a scale — evaluated there);
+* per row tile: Qᵀ of the tile into a local array, padded to whole vectors (zero past the last
+  query row);
 * Sᵀ = K · Qᵀ with the backend's GEMM micro-kernel, no packing of the scores;
 * the elementwise ops of the chain (scale, bias, mask: any One-to-One ops the block fuses) on
-  each score, the column maxima, exp(s − max) in place and the column sums;
+  each score (a constant they read down the score columns from a copy in loop order), the column
+  maxima, exp(s − max) in place and the column sums;
 * Oᵀ = Vᵀ · Sᵀ with the same micro-kernel, reading the exponentials where they are;
 * O[i, :] = Oᵀ[:, i] / sum[i] through the second MatMul's fused epilogue (the output Transpose
   and Reshape) into the outputs.
@@ -25,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -34,6 +37,7 @@ from kiln.codegen.contexts import NeedsBuffer, NotFusable, Provided, Refused, St
 from kiln.codegen.expr import (
     BOOL,
     Expr,
+    NotEvaluable,
     add,
     array_load,
     binary,
@@ -42,11 +46,16 @@ from kiln.codegen.expr import (
     iconst,
     imin,
     local,
+    evaluate_index,
     index_compare,
+    linearize,
+    load,
     make,
     mul,
+    rebuild,
     select,
     sub,
+    walk,
 )
 from kiln.codegen.gemm.blocking import round_up
 from kiln.codegen.microkernel import MicroKernel, tile_for
@@ -60,6 +69,8 @@ FLOATS = ("float32", "float64")
 SCORES_BYTES = 32 * 1024  # a tile's scores stay within a 32 KiB L1 data cache
 STACK_BYTES = 384 * 1024  # every local array of one work item (one thread's stack)
 MIN_ITEMS = 8  # work items wanted before row tiles shrink below what L1 allows
+RELAYOUT_GROWTH = 2  # a constant read by the scores is copied in loop order up to this growth
+PANEL_OVERHEAD_ROWS = 4  # a micro-tile's fixed cost in rows of multiply-adds (measured, Zen 4)
 REFUSAL = "fused attention"  # the (op, tensor) key a failed trial leaves in the block's refusals
 
 
@@ -67,7 +78,8 @@ REFUSAL = "fused attention"  # the (op, tensor) key a failed trial leaves in the
 class Geometry:
     """Scores [*batch, m, n] = Q [*, m, d] · Kᵀ [*, d, n]; out [*batch, m, dv] = P · V [*, n, dv];
     row tiles of `rows` query rows (`rows_pad` with the micro-kernel's column padding), `groups`
-    work items per batch element of `per_group` tiles each (K and V packed once per item)."""
+    work items per batch element of `per_group` tiles each (K and V packed once per item); K in
+    panels of `mr_keys` key positions, V in panels of `mr_values` value columns."""
 
     batch: tuple[int, ...]
     m: int
@@ -80,6 +92,9 @@ class Geometry:
     rows_pad: int
     tiles: int
     groups: int
+    mr_keys: int
+    mr_values: int
+    nr: int  # the micro-kernel's columns: the GEMM's where they divide rows_pad, else one vector
 
     @property
     def per_group(self) -> int:
@@ -107,18 +122,43 @@ def geometry(graph: Graph, chain: AttentionChain, schedule: Schedule) -> Geometr
     uk = micro_kernel_for(schedule, dtype)
     m, n = scores[-2:]
     itemsize = np.dtype(dtype).itemsize
-    n_pad = round_up(n, uk.mr)
-    rows_pad = round_up(m, uk.nr)
-    while rows_pad > uk.nr and n_pad * rows_pad * itemsize > SCORES_BYTES:
-        rows_pad -= uk.nr
+    mr_keys, mr_values = panel_rows(n, uk.mr), panel_rows(dv, uk.mr)
+    n_pad = round_up(n, mr_keys)
+    step = uk.lanes if uk.nr % uk.lanes == 0 else uk.nr  # tiles of whole vectors of query rows
+    most = round_up(m, step)
+    while most > step and n_pad * most * itemsize > SCORES_BYTES:
+        most -= step
     batch = math.prod(scores[:-2])
-    while batch * -(-m // rows_pad) < MIN_ITEMS and rows_pad > uk.nr:
-        rows_pad -= uk.nr
-    tiles = -(-m // rows_pad)
+    while batch * -(-m // most) < MIN_ITEMS and most > step:
+        most -= step
+    tiles = -(-m // tile_columns(m, most, step))
     rows = -(-m // tiles)  # the same number of rows in every tile
+    rows_pad = round_up(rows, step)
+    nr = uk.nr if rows_pad % uk.nr == 0 else step
     groups = min(tiles, -(-MIN_ITEMS // max(batch, 1)))
-    return Geometry(tuple(scores[:-2]), m, n, q[-1], dv, n_pad, round_up(dv, uk.mr), rows,
-                    round_up(rows, uk.nr), tiles, groups)
+    return Geometry(tuple(scores[:-2]), m, n, q[-1], dv, n_pad, round_up(dv, mr_values), rows,
+                    rows_pad, tiles, groups, mr_keys, mr_values, nr)
+
+
+def tile_columns(m: int, most: int, step: int) -> int:
+    """Query rows per tile, at most `most`: the tiling of `m` rows into equal tiles, each padded to
+    whole vectors (`step`), that computes the fewest padded columns (the larger tiles on a tie). 197
+    rows run as 13 tiles of 16 (208 columns) rather than 7 of 29 padded to 32 (224)."""
+    def padded(limit: int) -> int:
+        tiles = -(-m // limit)
+        return tiles * round_up(-(-m // tiles), step)
+    return min(range(most, 0, -step), key=padded)
+
+
+def panel_rows(extent: int, mr: int) -> int:
+    """Rows of a product's A panels (at most the micro-kernel's `mr`): the fewest panels' worth of
+    multiply-adds, each panel costing its rows plus PANEL_OVERHEAD_ROWS (loading and storing its
+    accumulators, the call). For a number of panels the shortest rows that cover `extent` pad
+    least: 64 value columns run as 6 panels of 11 rather than 6 of 12 with 8 rows of zeros."""
+    least = -(-extent // mr)
+    counts = range(least, max(least, -(-2 * extent // mr)) + 1)  # panels of at least mr/2 rows
+    best = min(counts, key=lambda panels: panels * (-(-extent // panels) + PANEL_OVERHEAD_ROWS))
+    return -(-extent // best)
 
 
 def micro_kernel_for(schedule: Schedule, dtype: str) -> MicroKernel:
@@ -157,6 +197,8 @@ def fused_attention(ctx: StageCtx, chain: AttentionChain) -> None:
     g = geometry(graph, chain, ctx.schedule)
     dtype = ctx.out().dtype
     uk = micro_kernel_for(ctx.schedule, dtype)
+    uk_keys, uk_values = (replace(uk, mr=g.mr_keys, nr=g.nr),
+                          replace(uk, mr=g.mr_values, nr=g.nr))
     read = ctx.builder.value
     shape_of = {t: graph.tensors[t].shape for t in (first.inputs[0], first.inputs[1],
                                                      second.inputs[1], first.outputs[0])}
@@ -186,9 +228,12 @@ def fused_attention(ctx: StageCtx, chain: AttentionChain) -> None:
         ir.DeclArray(ot, dtype, g.dv_pad * g.rows_pad),
         ir.DeclArray(mx, dtype, g.rows_pad), ir.DeclArray(sm, dtype, g.rows_pad)]
 
-    # K in panels of mr key positions, V in panels of mr value columns (the micro-kernel's A)
-    body += _panels(ctx, kp, uk.mr, g.n, g.d, lambda key, k: at(first.inputs[1], k, key), dtype)
-    body += _panels(ctx, vp, uk.mr, g.dv, g.n, lambda col, j: at(second.inputs[1], j, col), dtype)
+    # K in panels of mr_keys key positions, V in panels of mr_values value columns (the
+    # micro-kernels' A)
+    body += _panels(ctx, kp, g.mr_keys, g.n, g.d, lambda key, k: at(first.inputs[1], k, key),
+                    dtype)
+    body += _panels(ctx, vp, g.mr_values, g.dv, g.n,
+                    lambda col, j: at(second.inputs[1], j, col), dtype)
     tile_body: list[ir.Stmt] = []
     # Qᵀ of the tile: qt[k·rows_pad + c] = Q[i0 + c, k], zero past the last query row
     k2, c = ctx.var("kk", g.d), ctx.var("c", g.rows_pad)
@@ -197,7 +242,7 @@ def fused_attention(ctx: StageCtx, chain: AttentionChain) -> None:
             ir.ArrayStore(qt, add(mul(k2, g.rows_pad), c),
                           zero_past(add(i0, c), g.m, lambda i: at(first.inputs[0], i, k2)))],
                 simd=True)]))
-    tile_body.append(_product(ctx, uk, g.n_pad, g.d, kp, g.d, qt, st, g.rows_pad))
+    tile_body.append(_product(ctx, uk_keys, g.n_pad, g.d, kp, g.d, qt, st, g.rows_pad))
 
     # the chain's elementwise ops, column maxima, exponentials and column sums
     c2, j2 = ctx.var("c", g.rows_pad), ctx.var("j", g.n)
@@ -209,6 +254,7 @@ def fused_attention(ctx: StageCtx, chain: AttentionChain) -> None:
         score = ctx.low.builder({first.outputs[0]: held}).value(normaliser.inputs[0], scores_index)
     except (NotFusable, NeedsBuffer):
         raise Refused(second.id, REFUSAL) from None
+    score = _constants_in_loop_order(ctx, score, (b, group, tile, j2, c2))
     best = array_load(mx, dtype, c2)
     c3 = ctx.var("c", g.rows_pad)
     tile_body.append(ir.Loop(c3, iconst(0), iconst(g.rows_pad), [
@@ -228,7 +274,7 @@ def fused_attention(ctx: StageCtx, chain: AttentionChain) -> None:
                                                 array_load(mx, dtype, c4)))),
             ir.ArrayStore(st, slot3, e),
             ir.ArrayStore(sm, c4, binary("add", array_load(sm, dtype, c4), e))], simd=True)]))
-    tile_body.append(_product(ctx, uk, g.dv_pad, g.n, vp, g.n, st, ot, g.rows_pad))
+    tile_body.append(_product(ctx, uk_values, g.dv_pad, g.n, vp, g.n, st, ot, g.rows_pad))
 
     # O[i, :] = Oᵀ[:, i - i0] / sum[i - i0], through the second MatMul's epilogue (i ranges over
     # the query rows, so that the epilogue's index maps simplify as the packed GEMM's do)
@@ -249,8 +295,52 @@ def fused_attention(ctx: StageCtx, chain: AttentionChain) -> None:
                        [ir.Loop(group, iconst(0), iconst(g.groups), body)], parallel=1,
                        grain="one")],
               math.prod(g.batch) * g.tiles * g.rows_pad * g.n * (g.d + g.dv))
-    ctx.info.update(form="fused attention", micro_kernel=f"{uk.mr}x{uk.nr}", rows=g.rows,
+    ctx.info.update(form="fused attention", micro_kernel=f"{g.mr_keys}x{g.nr}, {g.mr_values}x{g.nr}", rows=g.rows,
                     tiles=g.tiles, items=g.items)
+
+
+def _constants_in_loop_order(ctx: StageCtx, score: Expr, loops: tuple[Expr, ...]) -> Expr:
+    """`score` with each constant it reads with a stride along the innermost (vector) loop — a
+    causal mask or a relative-position bias [.., m, n] read down the columns of the scores, a
+    gather per element — read instead from a derived copy laid out in the order of `loops` (over
+    the loops its offset depends on), so that the vector loop reads it contiguously. A copy more
+    than RELAYOUT_GROWTH times the constant's size (a constant broadcast over heads whose
+    offset depends on something else) is not made."""
+    inner = loops[-1]
+    replaced: dict[Expr, Expr] = {}
+    for node in walk([score]):
+        tensor = ctx.graph.tensors.get(node.name) if node.op == "load" else None
+        if tensor is None or not tensor.is_constant:
+            continue
+        offset = node.args[0]
+        if inner not in offset.free or offset.free - set(loops):
+            continue
+        used = [v for v in loops if v in offset.free]
+        extents = [v.range[1] + 1 for v in used]
+        if math.prod(extents) > RELAYOUT_GROWTH * tensor.data.size:
+            continue
+        grid = np.meshgrid(*(np.arange(e) for e in extents), indexing="ij", sparse=True)
+        try:
+            offsets = np.broadcast_to(evaluate_index(offset, dict(zip(used, grid))), extents)
+        except NotEvaluable:
+            continue
+        if np.all(np.diff(offsets, axis=-1) == 1):  # already contiguous along the vector loop
+            continue
+        # offsets past the constant belong to tiles past the last (never read): clipped
+        table = tensor.data.reshape(-1)[np.clip(offsets, 0, tensor.data.size - 1)]
+        replaced[node] = load(ctx.derived(table), node.dtype, linearize(used, tuple(extents)))
+    return _replace(score, replaced, {}) if replaced else score
+
+
+def _replace(e: Expr, mapping: dict[Expr, Expr], memo: dict[Expr, Expr]) -> Expr:
+    """`e` with the nodes of `mapping` replaced (any node, not only the loop variables that
+    `kiln.codegen.expr.substitute` replaces)."""
+    if e in mapping:
+        return mapping[e]
+    if e not in memo:
+        args = tuple(_replace(a, mapping, memo) for a in e.args)
+        memo[e] = e if all(a is b for a, b in zip(args, e.args)) else rebuild(e, args)
+    return memo[e]
 
 
 def _panels(ctx: StageCtx, name: str, mr: int, extent: int, depth: int,
