@@ -1,11 +1,7 @@
 """The workers' database ProfileStore: hit, measure on a miss (here, or by an agent), cost model."""
 from __future__ import annotations
 
-from pathlib import Path
-
-import numpy as np
 import pytest
-from onnx import helper, numpy_helper
 from sqlalchemy import select
 
 from kiln.pipeline import CompileOptions, compile_model
@@ -19,7 +15,7 @@ from service.profiles.measure import local_facts
 from service.profiles.tables import ProfileEntry
 from service.settings import Settings
 from service.storage import Storage
-from tests.graphs import float_input, save_model
+from tests.graphs import small_mlp
 from tests.runtime.conftest import cross_toolchain_missing
 from tests.runtime.handmade import mlp
 from workers.profile_store import DatabaseProfileStore
@@ -66,22 +62,6 @@ def test_without_measuring_the_cost_model_answers(setup):
     estimate = store.latency(mlp().plan.graph, ["op0"])
     assert estimate.source == "cost-model" and estimate.seconds > 0
     assert not entries(db) and store.stats() == {"cost-model (measuring off)": 1}
-
-
-def small_mlp(path: Path) -> Path:
-    """x·W1 + b1 → Relu → ·W2 + b2 → Sigmoid: a few fusion candidates, each measured once (a zoo
-    model measures the same way, only many more candidates)."""
-    rng = np.random.default_rng(0)
-    weights = [numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32), name)
-               for name, shape in (("w1", (16, 32)), ("b1", (32,)), ("w2", (32, 8)), ("b2", (8,)))]
-    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h0"]),
-             helper.make_node("Add", ["h0", "b1"], ["h1"]),
-             helper.make_node("Relu", ["h1"], ["h2"]),
-             helper.make_node("MatMul", ["h2", "w2"], ["h3"]),
-             helper.make_node("Add", ["h3", "b2"], ["h4"]),
-             helper.make_node("Sigmoid", ["h4"], ["y"])]
-    return save_model(path, nodes, [float_input("x", [4, 16])], [float_input("y", [4, 8])],
-                      weights)
 
 
 def test_a_compile_with_a_filled_database_measures_nothing(setup, tmp_path):
