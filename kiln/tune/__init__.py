@@ -4,9 +4,9 @@ by measuring candidate kernels on this CPU, with every measurement kept in the P
     result = tune_plan(plan, target, store, mode="quick", budget_s=60)
     kernels = generate(plan, target, block_schedules=result.block_schedules)
 
-`space` defines the per-block search space, `search` holds the tuner (`quick`: fixed
-candidates; `full`: a genetic search), `report` prints its report. kiln.measure.harness compiles
-and times the candidates.
+`modes` names the tuning modes and checks budgets, `space` defines the per-block search space,
+`search` holds the tuner (`quick`: fixed candidates; `full`: a genetic search), `report` prints
+its report. kiln.measure.harness compiles and times the candidates.
 """
 from __future__ import annotations
 
