@@ -11,11 +11,8 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 import kiln
-from kiln import frontend
 from kiln.errors import KilnError
-from kiln.pipeline import CompileOptions, compile_artifact, compile_model
 from kiln.plan import partitioner, partitioner_names
-from kiln.report import format_report
 from kiln.target import TARGET_NAMES, target
 from kiln.tune import DEFAULT_BUDGET_S, DEFAULT_MODE, TUNE_MODES, check_budget, format_tuning
 
@@ -24,7 +21,12 @@ INTERRUPTED = 130  # the shell's status for a command ended by SIGINT
 
 
 def _compile(args: argparse.Namespace) -> int:
+    # the compiler itself is loaded only here: every other command (kiln submit, kiln admin, …)
+    # starts without it
+    from kiln import frontend
+    from kiln.pipeline import CompileOptions, compile_artifact, compile_model
     from kiln.profile.local import default_store
+    from kiln.report import format_report
 
     shapes = dict(frontend.parse_shape_arg(s) for s in args.shape)
     options = CompileOptions(partitioner=args.partitioner, shapes=shapes, target=args.target,

@@ -12,13 +12,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
-from kiln import frontend
 from kiln.errors import KilnError
-from kiln.runtime.artifact import Artifact, open_artifact
-from kiln.runtime.execute import run_artifact, run_runner, runner_prefix, runs_natively
-from kiln.runtime.inputs import random_inputs
+
+if TYPE_CHECKING:
+    from kiln.runtime.artifact import Artifact
+
+# The frontend and the runtime (which loads the code generator) are imported by the commands that
+# use them, so that building the parser of every `kiln` command does not load them.
 
 RTOL = 1e-3  # verify: max|diff| <= RTOL * max|ref| + ATOL
 ATOL = 1e-5
@@ -74,6 +78,9 @@ def _at_least(minimum: int):
 # ---------------------------------------------------------------------------------------------
 
 def _run(args: argparse.Namespace) -> int:
+    from kiln.runtime.artifact import open_artifact
+    from kiln.runtime.execute import run_artifact
+
     artifact = open_artifact(args.artifact)
     outputs = run_artifact(artifact, read_npz(args.inputs), args.threads)
     names = _unique([t.name for t in artifact.outputs])
@@ -83,6 +90,11 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
+    from kiln import frontend
+    from kiln.runtime.artifact import open_artifact
+    from kiln.runtime.execute import run_artifact
+    from kiln.runtime.inputs import random_inputs
+
     artifact = open_artifact(args.artifact)
     model = frontend.read_model(args.model)
     _check_input_names(artifact, model)
@@ -104,6 +116,10 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    from kiln.runtime.artifact import open_artifact
+    from kiln.runtime.execute import run_runner, runner_prefix, runs_natively
+    from kiln.runtime.inputs import random_inputs
+
     artifact = open_artifact(args.artifact)
     inputs = read_npz(args.inputs) if args.inputs else random_inputs(artifact.inputs)
     result = run_runner(artifact, inputs, args.runs, args.warmup, args.threads, keep_outputs=False)
@@ -186,6 +202,8 @@ def _check_shapes(artifact: Artifact, graph) -> None:
 
 def run_onnxruntime(model: str | Path, inputs: dict[str, np.ndarray]) -> tuple[list[str], list[np.ndarray]]:
     import onnxruntime
+
+    from kiln import frontend
 
     proto = frontend.read_model(model)
     proto.ir_version = min(proto.ir_version, frontend.FOLD_IR_VERSION)  # newer than ORT reads

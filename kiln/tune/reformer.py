@@ -29,7 +29,8 @@ from kiln.plan.ago import Settings, cluster, default_weights
 from kiln.plan.blocks import build_plan
 from kiln.profile import ProfileStore
 from kiln.target import Target
-from kiln.tune.search import DEFAULT_BUDGET_S, ProgressCallback, TuneResult, check_budget, tune_plan
+from kiln.tune.modes import DEFAULT_BUDGET_S, check_budget
+from kiln.tune.search import ProgressCallback, TuneResult, tune_plan
 
 SPLIT_SHARE = 0.5
 

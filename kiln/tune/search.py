@@ -46,12 +46,10 @@ from kiln.measure.farm import Farm
 from kiln.signature import kernel_signature
 from kiln.target import Target, host_target
 from kiln.tune import space
+from kiln.tune.modes import DEFAULT_BUDGET_S, TuneError, check_budget, check_mode
 from kiln.tune.measurers import FarmMeasurer, LocalMeasurer, StoredMeasurer
 from kiln.tune.report import format_seconds
 
-TUNE_MODES = ("off", "reuse", "quick", "full")
-DEFAULT_MODE = "reuse"
-DEFAULT_BUDGET_S = {"quick": 60.0, "full": 600.0}
 POPULATION = 8
 ELITE = 2
 GENERATIONS = 6
@@ -62,10 +60,6 @@ MAX_FAILURES_KEPT = 5  # per group in the report: reasons, not an unbounded log
 
 # on_progress(stage, done, total, what): kiln.pipeline's progress callback (see its docstring)
 ProgressCallback = Callable[[str, int, int, str], None]
-
-
-class TuneError(KilnError):
-    pass
 
 
 @dataclass
@@ -88,24 +82,6 @@ class TuneResult:
     @property
     def reused(self) -> int:
         return self.report.get("reused", 0)
-
-
-def check_mode(mode: str) -> str:
-    if mode not in TUNE_MODES:
-        raise TuneError(f"unknown tuning mode {mode!r}; choose one of {', '.join(TUNE_MODES)}")
-    return mode
-
-
-def check_budget(budget: float | None) -> float | None:
-    if budget is None:
-        return None
-    try:
-        value = float(budget)
-    except (TypeError, ValueError):
-        raise TuneError(f"the tuning budget must be a number of seconds, not {budget!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise TuneError(f"the tuning budget must be a positive number of seconds, not {budget!r}")
-    return value
 
 
 class _Progress:

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 
 MISSING_EXTRA = ("the service needs its Python packages: pip install -e '.[service]' "
                  "(fastapi, uvicorn, sqlalchemy, alembic, celery, redis, httpx)")
+SERVICE_PACKAGES = ("fastapi", "sqlalchemy", "celery", "alembic")
 
 
 def server_args(cmd) -> None:
@@ -31,11 +33,19 @@ def load_settings(args: argparse.Namespace | None = None):
         value = getattr(args, name, None) if args is not None else None
         if value is not None:
             overrides[name] = value
-    try:
-        import fastapi, sqlalchemy, celery, alembic  # noqa: F401, E401
-    except ImportError as exc:
-        raise SystemExit(f"kiln: {MISSING_EXTRA} ({exc})") from None
+    missing = [name for name in SERVICE_PACKAGES if not _installed(name)]
+    if missing:
+        raise SystemExit(f"kiln: {MISSING_EXTRA} (No module named {', '.join(missing)})")
     return Settings(**overrides)
+
+
+def _installed(package: str) -> bool:
+    """Whether a top-level package can be imported, without importing it (importing fastapi,
+    sqlalchemy, celery and alembic takes longer than a client command's whole work)."""
+    try:
+        return importlib.util.find_spec(package) is not None
+    except ImportError:
+        return False
 
 
 def child_env(settings) -> dict[str, str]:

@@ -15,11 +15,10 @@ from service.profiles.measure import local_facts
 from service.profiles.tables import ProfileEntry
 from service.settings import Settings
 from service.storage import Storage
+from tests.graphs import small_mlp
 from tests.runtime.conftest import cross_toolchain_missing
 from tests.runtime.handmade import mlp
 from workers.profile_store import DatabaseProfileStore
-
-ZOO = "tests/fixtures/zoo"
 
 
 @pytest.fixture
@@ -65,13 +64,14 @@ def test_without_measuring_the_cost_model_answers(setup):
     assert not entries(db) and store.stats() == {"cost-model (measuring off)": 1}
 
 
-def test_a_compile_with_a_filled_database_measures_nothing(setup):
+def test_a_compile_with_a_filled_database_measures_nothing(setup, tmp_path):
     settings, db, storage = setup
+    model = small_mlp(tmp_path / "mlp.onnx")
     empty = DatabaseProfileStore(db, storage, settings, "host")
-    first = compile_model(f"{ZOO}/tinybert.onnx", CompileOptions(), empty)
+    first = compile_model(model, CompileOptions(), empty)
     assert empty.stats().get("measured-local", 0) >= 1
     filled = DatabaseProfileStore(db, storage, settings, "host")
-    second = compile_model(f"{ZOO}/tinybert.onnx", CompileOptions(), filled)
+    second = compile_model(model, CompileOptions(), filled)
     assert "measured-local" not in filled.stats() and filled.stats().get("hit", 0) >= 1
     assert [b.op_ids for b in second.plan.blocks] == [b.op_ids for b in first.plan.blocks]
 

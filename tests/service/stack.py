@@ -126,8 +126,15 @@ class Stack:
             process.wait()
 
     def create_key(self, tenant: str) -> str:
+        """A new tenant and its key, made by `kiln admin create-tenant` and `create-key`."""
         kiln_cli(self.env, "admin", "create-tenant", tenant)
         return kiln_cli(self.env, "admin", "create-key", tenant, "--name", "tests").strip()
+
+    @property
+    def database_url(self) -> str:
+        """The database the stack's processes share (its SQLite file unless one was given)."""
+        return self.env.get("KILN_DATABASE_URL") or \
+            f"sqlite:///{Path(self.env['KILN_DATA_DIR']) / 'kiln.sqlite'}"
 
     def __enter__(self):
         return self

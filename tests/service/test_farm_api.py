@@ -53,15 +53,34 @@ def mlp_model() -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 14)])
 
 
+def _accounts(url: str) -> tuple[str, str, str]:
+    """Keys of the tenants acme and globex and the token of the agent "lab", written straight to
+    the stack's database, as the `kiln admin` commands write them (those commands are tested by
+    test_cli.py and test_agents_api.py; here, five command processes would only add startup
+    time)."""
+    from service.db import Database
+    from service.devices.service import create_agent
+    from service.tenants.service import create_key, create_tenant
+
+    db = Database(url)
+    try:
+        keys = []
+        for tenant in ("acme", "globex"):
+            create_tenant(db, tenant)
+            keys.append(create_key(db, tenant, "tests"))
+        _agent, token = create_agent(db, "lab")
+    finally:
+        db.engine.dispose()
+    return keys[0], keys[1], token
+
+
 class Farm:
     """A running stack with two tenants, an agent token and one compiled job."""
 
     def __init__(self, stack, tmp):
         self.stack, self.tmp = stack, tmp
         self.url = stack.url
-        self.key = stack.create_key("acme")
-        self.other = stack.create_key("globex")
-        self.token = kiln_cli(stack.env, "admin", "create-agent", "lab").strip()
+        self.key, self.other, self.token = _accounts(stack.database_url)
         self.http = httpx.Client(base_url=self.url, timeout=60,
                                  headers={"Authorization": f"Bearer {self.key}"})
         self.config = tmp / "agent.toml"
