@@ -28,13 +28,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from kiln.codegen import Kernel
+from kiln.codegen.microkernel import VECTOR_REGISTERS
 from kiln.target import Target
 
 Overrides = dict[str, Any]
-
-# Vector registers per ISA width: (vector bytes) -> registers the micro-kernel may fill.
-_REGISTERS = {64: 32, 32: 16, 16: 16}
-
 
 def micro_kernel_shapes(target: Target, dtype_bytes: int = 4) -> list[Overrides]:
     """(vector width, mr, nr) choices that fit the register file: mr·nr/lanes accumulators +
@@ -48,7 +45,7 @@ def micro_kernel_shapes(target: Target, dtype_bytes: int = 4) -> list[Overrides]
         for vectors in (1, 2, 3, 4):
             nr = vectors * lanes
             for mr in (4, 6, 8, 12, 14):
-                if mr * vectors + vectors + 1 <= _REGISTERS[vb] and mr * vectors >= 8:
+                if mr * vectors + vectors + 1 <= VECTOR_REGISTERS[vb] and mr * vectors >= 8:
                     shapes.append({"vector_bytes": vb, "gemm_mr": mr, "gemm_nr": nr})
     return shapes
 

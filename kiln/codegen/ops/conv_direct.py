@@ -254,8 +254,8 @@ def _epilogue(ctx: StageCtx, w: Window, grid: PhaseGrid, ops: ConvOperands, tile
                    [ir.Loop(oy, y_lo, y_hi, [columns])])
 
 
-PLANE_BYTES = 1 << 18
-REGISTERS = 32  # vector registers on AVX-512 and NEON (AVX2 has 16: it spills a little sooner)  # a depthwise plane's padded copy and sums live on the stack up to this
+PLANE_BYTES = 1 << 18  # a depthwise plane's padded copy and sums live on the stack up to this
+REGISTERS = 32  # vector registers on AVX-512 and NEON (AVX2 has 16: it spills a little sooner)
 
 
 def depthwise_plane_applies(ctx: StageCtx, w: Window, x_channels: int, group: int,
