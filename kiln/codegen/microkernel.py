@@ -84,6 +84,12 @@ def tile_for(isa: tuple[str, ...], dtype: str, vector_bytes: int = 0, mr: int = 
     return kernel
 
 
+def fits_registers(vector_bytes: int, accumulators: int, b_vectors: int) -> bool:
+    """Whether a tile's accumulators, its B vectors and one broadcast of A fit the vector register
+    file of `vector_bytes`-wide vectors (no spills in the micro-kernel's loop)."""
+    return accumulators + b_vectors + 1 <= VECTOR_REGISTERS.get(vector_bytes, 16)
+
+
 def rows_evict_each_other(k: MicroKernel, row_bytes: int) -> bool:
     """Whether the kernel's rows of A, read in place `row_bytes` apart, put more lines into one L1
     set than it has ways (a row stride of 12 KiB puts all 12 rows of an AVX-512 tile into one), so

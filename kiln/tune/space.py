@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kiln.codegen import Kernel
-from kiln.codegen.microkernel import VECTOR_REGISTERS
+from kiln.codegen.microkernel import fits_registers
 from kiln.target import Target
 
 Overrides = dict[str, Any]
@@ -45,7 +45,7 @@ def micro_kernel_shapes(target: Target, dtype_bytes: int = 4) -> list[Overrides]
         for vectors in (1, 2, 3, 4):
             nr = vectors * lanes
             for mr in (4, 6, 8, 12, 14):
-                if mr * vectors + vectors + 1 <= VECTOR_REGISTERS[vb] and mr * vectors >= 8:
+                if fits_registers(vb, mr * vectors, vectors) and mr * vectors >= 8:
                     shapes.append({"vector_bytes": vb, "gemm_mr": mr, "gemm_nr": nr})
     return shapes
 

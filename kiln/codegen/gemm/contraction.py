@@ -14,9 +14,8 @@ Every contraction lowers to one loop nest over C[b, i, j] = Σ_k A[b, i, k] · B
   (`kiln.codegen.microkernel`) over its panels for each slice of `kc` along the sum (longer
   than the schedule's while the task's blocks fit in L2; the last partial panels by kernels of
   just their rows and columns; a tile of half the rows where A's rows would evict each other
-  from L1); each
-  finished micro-tile goes through the fused epilogue straight into the outputs while it is in
-  L1 (whole tiles of a product with no epilogue are accumulated in the output by the
+  from L1); each finished micro-tile goes through the fused epilogue straight into the outputs
+  while it is in L1 (whole tiles of a product with no epilogue are accumulated in the output by the
   micro-kernel itself). On GPU targets (`Schedule.gemm_work_group`)
   the same contractions run as the work-group tiled GEMM (`group`): tiles of A and B staged in
   a work-group's local memory, a register tile per work-item, the epilogue from registers.

@@ -46,7 +46,7 @@ from kiln.codegen.gemm.packed import micro_kernel
 from kiln.codegen.gemm.packing import OperandSide, constant_panels, scratch_panels
 from kiln.codegen.gemm.spec import BOperand, Contraction, batch_of
 from kiln.codegen.indexing import Index
-from kiln.codegen.microkernel import VECTOR_REGISTERS, MicroKernel
+from kiln.codegen.microkernel import MicroKernel, fits_registers
 from kiln.codegen.ops.conv_window import ConvOperands, Window
 
 
@@ -104,10 +104,9 @@ def direct_tile(base: MicroKernel, w: Window, channels_out: int) -> MicroKernel:
     on as many products)."""
     lanes = base.lanes
     accumulators, loads = base.mr * base.nr // lanes, base.mr + base.nr // lanes
-    registers = VECTOR_REGISTERS.get(base.vector_bytes, 16)
     shapes = [(accumulators // v, v * lanes) for v in range(1, 5)
               if accumulators % v == 0 and accumulators // v + v <= loads
-              and accumulators + v + 1 <= registers]
+              and fits_registers(base.vector_bytes, accumulators, v)]
     mr, nr = min(shapes + [(base.mr, base.nr)],
                  key=lambda t: (round_up(channels_out, t[0]) * direct_columns(w, t[1]),
                                 t != (base.mr, base.nr)))
