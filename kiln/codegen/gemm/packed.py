@@ -23,6 +23,7 @@ from kiln.codegen.expr import (
     mul,
     sub,
     substitute,
+    walk,
 )
 from kiln.codegen.indexing import Index
 from kiln.codegen.gemm.blocking import Blocking, blocking, round_up
@@ -70,6 +71,7 @@ class _Product:
     batches: int  # products of `rows` rows: the batch, or 1 when folded
     blk: Blocking
     blocks: tuple[int, int, int]  # (row blocks, column blocks, slices of the sum)
+    epilogue_per_block: bool  # the fused epilogue after the block's micro-tiles, not per tile
 
 
 @dataclass(frozen=True)
@@ -131,7 +133,8 @@ def _product(ctx: StageCtx, spec: Contraction, uk: MicroKernel,
         blk = replace(blk, kc=_cached_slice(spec.k, blk, itemsize, s.gemm_l2_bytes))
     packed_b = packed_b or (None if copied_by_tasks else b_rows(ctx, spec, b_side, uk.nr))
     blocks = (-(-rows // blk.mc), -(-spec.n // blk.nc), -(-spec.k // blk.kc))
-    return _Product(uk, packed_a, packed_b, copied_by_tasks, folded, rows, batches, blk, blocks)
+    return _Product(uk, packed_a, packed_b, copied_by_tasks, folded, rows, batches, blk, blocks,
+                    _epilogue_streams(ctx, spec))
 
 
 def _tile_for_rows(ctx: StageCtx, uk: MicroKernel, packed_a: Packed, itemsize: int) -> MicroKernel:
@@ -240,7 +243,9 @@ def _tile_update(ctx: StageCtx, spec: Contraction, pr: _Product, t: _Task) -> li
     if edge_rows:
         call = ir.If(index_compare("lt", t.i, full_rows), [call], [across_columns(edge_rows)])
         ctx.info["row_edge_kernel"] = f"{edge_rows}x{uk.nr}"
-    tile_update: list[ir.Stmt] = [call, _epilogue(ctx, spec, pr, t)]
+    if pr.epilogue_per_block:
+        return [call]  # `_stage` runs the epilogue once the block's tiles are done
+    tile_update: list[ir.Stmt] = [call, _epilogue(ctx, spec, pr, t, (t.i, t.j), (uk.mr, uk.nr))]
     output = _output_rows(ctx, spec, None if pr.folded else t.b)
     if output is not None:  # whole micro-tiles update the output itself: no copy through L1
         buffer, at, ldc = output
@@ -252,15 +257,34 @@ def _tile_update(ctx: StageCtx, spec: Contraction, pr: _Product, t: _Task) -> li
     return tile_update
 
 
-def _epilogue(ctx: StageCtx, spec: Contraction, pr: _Product, t: _Task) -> ir.Stmt:
-    """Each micro-tile's results through the epilogue right after its last update, from L1."""
-    uk, blk = pr.uk, pr.blk
+def _epilogue_streams(ctx: StageCtx, spec: Contraction) -> bool:
+    """Whether the fused epilogue reads another tensor along both the output's rows and columns
+    (a residual added before a ReLU; not a bias, one value per row or column): then it runs
+    once per cache block, after the block's micro-tiles, along whole block rows. Per micro-tile
+    it would read `mr` runs of `nr` elements of the tensor, each in a row of its own: as many
+    concurrent streams as the block has rows, more than the hardware prefetchers follow, so
+    each run waits on memory (on Zen 3 a 1 × 1 conv onto 56 × 56 pixels plus its residual took
+    1.6× the time of the per-block epilogue's)."""
+    i, j = ctx.var("i", spec.m), ctx.var("j", spec.n)
+    total = array_load(ctx.name("sum"), spec.dtype, iconst(0))
+    b = ctx.var("pb", max(math.prod(spec.batch), 1))
+    stmts = results(ctx, spec, total, b, i, j)
+    return any(e.op == "load" and stride_of(e, i) != 0 and stride_of(e, j) != 0
+               for e in walk(ir.all_exprs(stmts)))
+
+
+def _epilogue(ctx: StageCtx, spec: Contraction, pr: _Product, t: _Task,
+              start: tuple[Expr, Expr], size: tuple[int, int]) -> ir.Stmt:
+    """The results of `size` = (rows, columns) from `start` (a micro-tile, or the whole block)
+    through the epilogue, from the block's local array, after their last update."""
+    blk = pr.blk
+    i, j = start
     if pr.folded:
-        epilogue = _folded_epilogue(ctx, spec, blk.nc, t.tile, (t.i0, t.i, uk.mr, pr.rows),
-                                    (t.j0, t.j, uk.nr), t.row_of)
+        epilogue = _folded_epilogue(ctx, spec, blk.nc, t.tile, (t.i0, i, size[0], pr.rows),
+                                    (t.j0, j, size[1]), t.row_of)
     else:
-        epilogue = tile_epilogue(ctx, spec, blk.nc, t.tile, t.b, (t.i0, t.i, uk.mr),
-                                 (t.j0, t.j, uk.nr))
+        epilogue = tile_epilogue(ctx, spec, blk.nc, t.tile, t.b, (t.i0, i, size[0]),
+                                 (t.j0, j, size[1]))
     k_blocks = pr.blocks[2]
     return ir.If(index_compare("eq", t.kb, k_blocks - 1), [epilogue]) if k_blocks > 1 else epilogue
 
@@ -276,11 +300,14 @@ def _stage(ctx: StageCtx, spec: Contraction, pr: _Product, t: _Task, tile_update
                       floordiv(sub(iconst(pr.rows + uk.mr - 1), t.i0), uk.mr))
     col_panels = imin(iconst(blk.nc // uk.nr),
                       floordiv(sub(iconst(spec.n + uk.nr - 1), t.j0), uk.nr))
-    compute = ir.Loop(t.jp, iconst(0), col_panels,
-                      [ir.Loop(t.ip, iconst(0), row_panels, tile_update)])
+    compute: list[ir.Stmt] = [ir.Loop(t.jp, iconst(0), col_panels,
+                                      [ir.Loop(t.ip, iconst(0), row_panels, tile_update)])]
+    if pr.epilogue_per_block:
+        compute.append(_epilogue(ctx, spec, pr, t, (t.i0, t.j0), (blk.mc, blk.nc)))
+        ctx.info["epilogue"] = "per block"
     b_copied = [ir.DeclArray(pr.b.buffer, spec.dtype, blk.kc * blk.nc)] if pr.b_by_tasks else []
     body = [ir.DeclArray(t.tile, spec.dtype, blk.mc * blk.nc), *b_copied,
-            ir.Loop(t.kb, iconst(0), iconst(k_blocks), [*per_slice, compute])]
+            ir.Loop(t.kb, iconst(0), iconst(k_blocks), [*per_slice, *compute])]
     bt = math.prod(spec.batch)
     ctx.stage(f"contraction {ctx.op.op_type} ({ctx.op.id}), packed GEMM",
               [ir.Loop(t.p, iconst(0), iconst(tasks), body, parallel=1,
