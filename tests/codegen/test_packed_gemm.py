@@ -212,6 +212,29 @@ def test_whole_tiles_of_a_plain_product_are_stored_by_the_micro_kernel(tile):
     assert "whole_tiles" not in biased
 
 
+@settings(max_examples=6, deadline=None)
+@given(batch=st.integers(1, 3), m=st.integers(4, 30), k=st.integers(1, 20), n=st.integers(8, 60),
+       tile=st.sampled_from(TILES))
+def test_a_fused_epilogue_runs_once_per_block(batch, m, k, n, tile):
+    """A fused epilogue (a bias, a residual added, a ReLU) runs over each finished cache block
+    along its rows, not per micro-tile: over ragged blocks, several slices of the sum and a
+    batch folded into the rows."""
+    spec = {"a": ((batch, m, k), "float32"), "r": ((batch, m, n), "float32")}
+    rng = np.random.default_rng(batch * 1000 + m * 41 + k * 7 + n)
+    w, bias = (rng.standard_normal((k, n)).astype(np.float32),
+               rng.standard_normal(n).astype(np.float32))
+    nodes = [helper.make_node("MatMul", ["a", "w"], ["h"]),
+             helper.make_node("Add", ["h", "bias"], ["hb"]),
+             helper.make_node("Add", ["hb", "r"], ["s"]),
+             helper.make_node("Relu", ["s"], ["y"])]
+    vb, mr, nr = tile
+    schedule = Schedule(vector_bytes=vb, gemm_mr=mr, gemm_nr=nr, gemm_mc=2 * mr,
+                        gemm_nc=2 * nr, gemm_kc=5, gemm_l2_bytes=0)
+    kernels = run_with(model(nodes, spec, ["y"], {"w": w, "bias": bias}), spec, schedule)
+    stage = next(s for k in kernels for s in k.schedule["stages"] if s.get("form") == "packed")
+    assert stage.get("epilogue") == "per block" and "whole_tiles" not in stage
+
+
 def test_matrix_vector_products_are_dot_products():
     """One output column would waste all but one lane of each micro-kernel vector."""
     spec = {"x": ((1, 40, 1, 1), "float32")}

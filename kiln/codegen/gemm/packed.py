@@ -1,5 +1,5 @@
 """The packed GEMM (GotoBLAS): packed operands, cache blocks as parallel tasks, the backend's
-register-blocked micro-kernel over the panels, and the fused epilogue per micro-tile from L1."""
+register-blocked micro-kernel over the panels, and the fused epilogue per cache block."""
 from __future__ import annotations
 
 import math
@@ -107,7 +107,7 @@ def packed_gemm(ctx: StageCtx, spec: Contraction, packed_a: Packed | None = None
     b_copy: list[ir.Stmt] = []
     if product.b_by_tasks:
         b_copy, product = _b_copied_by_task(ctx, spec, product, task)
-    _stage(ctx, spec, product, task, _tile_update(ctx, spec, product, task), b_copy)
+    _stage(ctx, spec, product, task, *_tile_update(ctx, spec, product, task), b_copy)
 
 
 def _product(ctx: StageCtx, spec: Contraction, uk: MicroKernel,
@@ -209,8 +209,18 @@ def _call(pr: _Product, t: _Task, b_offset: Expr, a: tuple[MicroKernel, str, Exp
                               *c, t.accumulate)
 
 
-def _tile_update(ctx: StageCtx, spec: Contraction, pr: _Product, t: _Task) -> list[ir.Stmt]:
-    """One micro-tile's update and epilogue."""
+def _tile_update(ctx: StageCtx, spec: Contraction, pr: _Product,
+                 t: _Task) -> tuple[list[ir.Stmt], ir.Stmt | None]:
+    """One micro-tile's update, with its epilogue when the product is a plain one (only its
+    ragged tiles go through the local array), and the epilogue of the whole block otherwise.
+
+    The block's epilogue runs once all its micro-tiles are done, along whole rows of the block:
+    per micro-tile it would store (and read any other tensor it adds, a residual) in `mr` runs
+    of `nr` elements, each in a row of its own, as many concurrent streams as the block has
+    rows, more than the hardware prefetchers follow. On Zen 3 a 1 × 1 conv onto 56 × 56 pixels
+    took 0.6–0.85× the time with its residual added per block; with only a bias and a ReLU,
+    0.76× while other processes loaded the memory system, as long on a quiet machine; a
+    transformer's products (bias, residual) ran as fast either way."""
     uk, blk = pr.uk, pr.blk
     a_flat, b_flat = _operand_batches(spec, pr, t)
     b_offset = pr.b.offset(b_flat, t.k0, t.j)
@@ -240,35 +250,41 @@ def _tile_update(ctx: StageCtx, spec: Contraction, pr: _Product, t: _Task) -> li
     if edge_rows:
         call = ir.If(index_compare("lt", t.i, full_rows), [call], [across_columns(edge_rows)])
         ctx.info["row_edge_kernel"] = f"{edge_rows}x{uk.nr}"
-    tile_update: list[ir.Stmt] = [call, _epilogue(ctx, spec, pr, t)]
     output = _output_rows(ctx, spec, None if pr.folded else t.b)
-    if output is not None:  # whole micro-tiles update the output itself: no copy through L1
-        buffer, at, ldc = output
-        whole = logical_and(index_compare("le", add(t.i, uk.mr), pr.rows),
-                            index_compare("le", add(t.j, uk.nr), spec.n))
-        direct = _call(pr, t, b_offset, a_whole, (buffer, at(t.i, t.j), ldc))
-        tile_update = [ir.If(whole, [direct], tile_update)]
-        ctx.info["whole_tiles"] = "stored by the micro-kernel"
-    return tile_update
+    if output is None:
+        ctx.info["epilogue"] = "per block"
+        return [call], _epilogue(ctx, spec, pr, t, (t.i0, t.j0), (pr.blk.mc, pr.blk.nc))
+    # whole micro-tiles update the output itself: no copy through L1
+    buffer, at, ldc = output
+    whole = logical_and(index_compare("le", add(t.i, uk.mr), pr.rows),
+                        index_compare("le", add(t.j, uk.nr), spec.n))
+    direct = _call(pr, t, b_offset, a_whole, (buffer, at(t.i, t.j), ldc))
+    ctx.info["whole_tiles"] = "stored by the micro-kernel"
+    ragged = [call, _epilogue(ctx, spec, pr, t, (t.i, t.j), (uk.mr, uk.nr))]
+    return [ir.If(whole, [direct], ragged)], None
 
 
-def _epilogue(ctx: StageCtx, spec: Contraction, pr: _Product, t: _Task) -> ir.Stmt:
-    """Each micro-tile's results through the epilogue right after its last update, from L1."""
-    uk, blk = pr.uk, pr.blk
+def _epilogue(ctx: StageCtx, spec: Contraction, pr: _Product, t: _Task,
+              start: tuple[Expr, Expr], size: tuple[int, int]) -> ir.Stmt:
+    """The results of `size` = (rows, columns) from `start` (a micro-tile, or the whole block)
+    through the epilogue, from the block's local array, after their last update."""
+    blk = pr.blk
+    i, j = start
     if pr.folded:
-        epilogue = _folded_epilogue(ctx, spec, blk.nc, t.tile, (t.i0, t.i, uk.mr, pr.rows),
-                                    (t.j0, t.j, uk.nr), t.row_of)
+        epilogue = _folded_epilogue(ctx, spec, blk.nc, t.tile, (t.i0, i, size[0], pr.rows),
+                                    (t.j0, j, size[1]), t.row_of)
     else:
-        epilogue = tile_epilogue(ctx, spec, blk.nc, t.tile, t.b, (t.i0, t.i, uk.mr),
-                                 (t.j0, t.j, uk.nr))
+        epilogue = tile_epilogue(ctx, spec, blk.nc, t.tile, t.b, (t.i0, i, size[0]),
+                                 (t.j0, j, size[1]))
     k_blocks = pr.blocks[2]
     return ir.If(index_compare("eq", t.kb, k_blocks - 1), [epilogue]) if k_blocks > 1 else epilogue
 
 
 def _stage(ctx: StageCtx, spec: Contraction, pr: _Product, t: _Task, tile_update: list[ir.Stmt],
-           per_slice: list[ir.Stmt]) -> None:
+           block_epilogue: ir.Stmt | None, per_slice: list[ir.Stmt]) -> None:
     """The parallel loop over tasks: for each slice of the sum, `per_slice` (copies of its
-    operands), then every micro-tile of the block, column panels outermost."""
+    operands), then every micro-tile of the block, column panels outermost, then the block's
+    epilogue if it has one."""
     uk, blk = pr.uk, pr.blk
     row_blocks, col_blocks, k_blocks = pr.blocks
     tasks = pr.batches * row_blocks * col_blocks
@@ -276,11 +292,13 @@ def _stage(ctx: StageCtx, spec: Contraction, pr: _Product, t: _Task, tile_update
                       floordiv(sub(iconst(pr.rows + uk.mr - 1), t.i0), uk.mr))
     col_panels = imin(iconst(blk.nc // uk.nr),
                       floordiv(sub(iconst(spec.n + uk.nr - 1), t.j0), uk.nr))
-    compute = ir.Loop(t.jp, iconst(0), col_panels,
-                      [ir.Loop(t.ip, iconst(0), row_panels, tile_update)])
+    compute: list[ir.Stmt] = [ir.Loop(t.jp, iconst(0), col_panels,
+                                      [ir.Loop(t.ip, iconst(0), row_panels, tile_update)])]
+    if block_epilogue is not None:
+        compute.append(block_epilogue)
     b_copied = [ir.DeclArray(pr.b.buffer, spec.dtype, blk.kc * blk.nc)] if pr.b_by_tasks else []
     body = [ir.DeclArray(t.tile, spec.dtype, blk.mc * blk.nc), *b_copied,
-            ir.Loop(t.kb, iconst(0), iconst(k_blocks), [*per_slice, compute])]
+            ir.Loop(t.kb, iconst(0), iconst(k_blocks), [*per_slice, *compute])]
     bt = math.prod(spec.batch)
     ctx.stage(f"contraction {ctx.op.op_type} ({ctx.op.id}), packed GEMM",
               [ir.Loop(t.p, iconst(0), iconst(tasks), body, parallel=1,
