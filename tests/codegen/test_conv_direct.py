@@ -292,6 +292,30 @@ def test_strided_depthwise_after_a_pad_reads_planes():
     assert "depthwise planes" in _forms(onnx_model)
 
 
+def test_wide_depthwise_rows_through_a_clip():
+    """Output rows of whole vectors (32 wide, AVX2's and AVX-512's) under a ReLU6: each row's
+    window sums go through the epilogue to the output with no plane of sums; stride 1 and 2,
+    with a residual Add after the Clip. It matches onnxruntime."""
+    rng = np.random.default_rng(14)
+    spec = {"x": ((1, 4, 12, 32), "float32"), "r": ((1, 4, 12, 32), "float32")}
+    inits = {"w": rng.standard_normal((4, 1, 3, 3)).astype(np.float32),
+             "b": rng.standard_normal(4).astype(np.float32),
+             "lo": np.array(0, np.float32), "hi": np.array(6, np.float32)}
+    onnx_model = model([
+        helper.make_node("Conv", ["x", "w", "b"], ["c"], kernel_shape=[3, 3], pads=[1, 1, 1, 1],
+                         group=4),
+        helper.make_node("Clip", ["c", "lo", "hi"], ["k"]),
+        helper.make_node("Add", ["k", "r"], ["y"])], spec, ["y"], inits)
+    check_model(onnx_model, random_inputs(spec), partitioners=("none", "dnnfusion"))
+    assert "depthwise planes" in _forms(onnx_model)
+    strided = {"x": ((1, 4, 12, 64), "float32")}
+    onnx_model = model([
+        helper.make_node("Conv", ["x", "w", "b"], ["c"], kernel_shape=[3, 3], pads=[1, 1, 1, 1],
+                         strides=[2, 2], group=4),
+        helper.make_node("Clip", ["c", "lo", "hi"], ["y"])], strided, ["y"], inits)
+    check_model(onnx_model, random_inputs(strided), partitioners=("none", "dnnfusion"))
+
+
 def test_depthwise_plane_too_large_for_the_stack():
     """A plane whose padded copy would not fit the stack is read in place, its interior and
     border outputs apart; it matches onnxruntime."""
