@@ -304,15 +304,17 @@ def depthwise_plane(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: Con
                                                  clamp(x, 0, iw - 1)]))
         return select(inside, value, const(0, dtype))
 
-    copy: list[ir.Stmt] = []
+    # the column phases of one row phase in one loop (its reads are one contiguous run), and
+    # the row phases of one grid row in one pass: the input's rows are read in order, once
+    r = ctx.var("r", grid.hq)
+    rows: list[ir.Stmt] = []
     for py in sorted({py for py, _ in grid.phases}):
-        # the column phases of one row phase in one loop: its reads are one contiguous run
-        r, u = ctx.var("r", grid.hq), ctx.var("u", grid.wq)
+        u = ctx.var("u", grid.wq)
         stores = [ir.ArrayStore(plane, add(mul(add(mul(iconst(phase), grid.hq), r), grid.wq), u),
                                 element(r, u, py, px))
                   for phase, (qy, px) in enumerate(grid.phases) if qy == py]
-        copy.append(ir.Loop(r, iconst(0), iconst(grid.hq),
-                            [ir.Loop(u, iconst(0), iconst(grid.wq), stores, simd=True)]))
+        rows.append(ir.Loop(u, iconst(0), iconst(grid.wq), stores, simd=True))
+    copy: list[ir.Stmt] = [ir.Loop(r, iconst(0), iconst(grid.hq), rows)]
     used = grid.channel_stride
     if grid.segment > used:
         t = ctx.var("t", grid.segment - used, used)
