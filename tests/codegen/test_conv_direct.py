@@ -271,6 +271,68 @@ def test_narrow_depthwise_planes_with_a_silu():
     assert "depthwise planes" in _forms(onnx_model)
 
 
+def test_strided_depthwise_after_a_pad_reads_planes():
+    """EfficientNet's stride-2 depthwise convs read an explicitly padded input, so no output
+    touches the padding; the padded planes (contiguous reads per stride phase, one vector loop
+    per plane) still beat reading that input in place at the stride. Output rows of 18 are over
+    two vectors with a remainder: with a SiLU the sums are packed densely for the epilogue. It
+    matches onnxruntime."""
+    rng = np.random.default_rng(12)
+    spec = {"x": ((2, 6, 37, 37), "float32")}
+    inits = {"w": rng.standard_normal((6, 1, 5, 5)).astype(np.float32),
+             "b": rng.standard_normal(6).astype(np.float32),
+             "pads": np.array([0, 0, 1, 1, 0, 0, 2, 2], np.int64)}
+    onnx_model = model([
+        helper.make_node("Pad", ["x", "pads"], ["xp"]),
+        helper.make_node("Conv", ["xp", "w", "b"], ["c"], kernel_shape=[5, 5], strides=[2, 2],
+                         group=6),
+        helper.make_node("Sigmoid", ["c"], ["s"]),
+        helper.make_node("Mul", ["c", "s"], ["y"])], spec, ["y"], inits)
+    check_model(onnx_model, random_inputs(spec), partitioners=("none", "dnnfusion"))
+    assert "depthwise planes" in _forms(onnx_model)
+
+
+def test_wide_depthwise_rows_through_a_clip():
+    """Output rows of whole vectors (32 wide, AVX2's and AVX-512's) under a ReLU6: each row's
+    window sums go through the epilogue to the output with no plane of sums; stride 1 and 2,
+    with a residual Add after the Clip. It matches onnxruntime."""
+    rng = np.random.default_rng(14)
+    spec = {"x": ((1, 4, 12, 32), "float32"), "r": ((1, 4, 12, 32), "float32")}
+    inits = {"w": rng.standard_normal((4, 1, 3, 3)).astype(np.float32),
+             "b": rng.standard_normal(4).astype(np.float32),
+             "lo": np.array(0, np.float32), "hi": np.array(6, np.float32)}
+    onnx_model = model([
+        helper.make_node("Conv", ["x", "w", "b"], ["c"], kernel_shape=[3, 3], pads=[1, 1, 1, 1],
+                         group=4),
+        helper.make_node("Clip", ["c", "lo", "hi"], ["k"]),
+        helper.make_node("Add", ["k", "r"], ["y"])], spec, ["y"], inits)
+    check_model(onnx_model, random_inputs(spec), partitioners=("none", "dnnfusion"))
+    assert "depthwise planes" in _forms(onnx_model)
+    strided = {"x": ((1, 4, 12, 64), "float32")}
+    onnx_model = model([
+        helper.make_node("Conv", ["x", "w", "b"], ["c"], kernel_shape=[3, 3], pads=[1, 1, 1, 1],
+                         strides=[2, 2], group=4),
+        helper.make_node("Clip", ["c", "lo", "hi"], ["y"])], strided, ["y"], inits)
+    check_model(onnx_model, random_inputs(strided), partitioners=("none", "dnnfusion"))
+
+
+def test_depthwise_plane_too_large_for_the_stack():
+    """A plane whose padded copy would not fit the stack is read in place, its interior and
+    border outputs apart; it matches onnxruntime."""
+    rng = np.random.default_rng(13)
+    spec = {"x": ((1, 2, 260, 260), "float32")}
+    inits = {"w": rng.standard_normal((2, 1, 3, 3)).astype(np.float32),
+             "b": rng.standard_normal(2).astype(np.float32),
+             "lo": np.array(0, np.float32), "hi": np.array(6, np.float32)}
+    onnx_model = model([
+        helper.make_node("Conv", ["x", "w", "b"], ["c"], kernel_shape=[3, 3], pads=[1, 1, 1, 1],
+                         strides=[2, 2], group=2),
+        helper.make_node("Clip", ["c", "lo", "hi"], ["y"])], spec, ["y"], inits)
+    check_model(onnx_model, random_inputs(spec), partitioners=("none",))
+    forms = _forms(onnx_model)
+    assert "depthwise" in forms and "depthwise planes" not in forms
+
+
 def _conv_model(case, fusion: str, seed: int):
     """Conv with bias over `case` (x shape, w shape, attributes), with `fusion`: a Relu read by
     the conv (relu-in, a prologue the padded copy evaluates once per element), a zero Pad folded

@@ -115,21 +115,32 @@ def scratch_panels(ctx: StageCtx, spec: Contraction, side: OperandSide, unit: in
     probe, _, px, _ = side.probes(ctx, spec.k)
     total = nb * panels
     name = ctx.scratch(spec.dtype, total * spec.k * unit)
-    q, r, k = ctx.var("q", total), ctx.var("r", unit), ctx.var("k", spec.k)
+    q = ctx.var("q", total)
     bb, panel = Index((nb, panels), flat=q).dims
-    x = add(mul(panel, unit), r)
-    element = side.value(Index(side.batch, flat=bb), imin(x, iconst(side.extent - 1)), k)
+
+    def nest(edge: bool) -> ir.Loop:
+        """One panel's copy; `edge`: the last, partial panel (zeros past the extent)."""
+        r, k = ctx.var("r", unit), ctx.var("k", spec.k)
+        x = add(mul(panel, unit), r)
+        element = side.value(Index(side.batch, flat=bb), imin(x, iconst(side.extent - 1)) if edge
+                             else x, k)
+        if edge:
+            element = select(index_compare("lt", x, side.extent), element, const(0, spec.dtype))
+        store = ir.Store(name, add(mul(add(mul(q, spec.k), k), unit), r), element)
+        if stride_of(probe, px) == 1:  # contiguous along the panel axis: read along it
+            return ir.Loop(k, iconst(0), iconst(spec.k),
+                           [ir.Loop(r, iconst(0), iconst(unit), [store], simd=True)])
+        return ir.Loop(r, iconst(0), iconst(unit),
+                       [ir.Loop(k, iconst(0), iconst(spec.k), [store], simd=True)])
+
+    # whole panels copy without the edge's bounds test and clamp: with them in every panel, a
+    # 14 × 14 conv's 196 pixels × 384 channels took two thirds of the product's time to pack in
+    # panels of 6 (a third of that without; the 1 × 1 conv 0.8× the time)
+    body: list[ir.Stmt] = [nest(False)]
     if side.extent % unit:
-        element = select(index_compare("lt", x, side.extent), element, const(0, spec.dtype))
-    store = ir.Store(name, add(mul(add(mul(q, spec.k), k), unit), r), element)
-    if stride_of(probe, px) == 1:  # contiguous along the panel axis: read along it
-        nest = ir.Loop(k, iconst(0), iconst(spec.k), [ir.Loop(r, iconst(0), iconst(unit), [store],
-                                                               simd=True)])
-    else:
-        nest = ir.Loop(r, iconst(0), iconst(unit), [ir.Loop(k, iconst(0), iconst(spec.k), [store],
-                                                            simd=True)])
+        body = [ir.If(index_compare("lt", panel, panels - 1), body, [nest(True)])]
     ctx.stage(f"pack operand {side.name.upper()} of {ctx.op.id} in panels",
-              [ir.Loop(q, iconst(0), iconst(total), [nest], parallel=1)], total * spec.k * unit)
+              [ir.Loop(q, iconst(0), iconst(total), body, parallel=1)], total * spec.k * unit)
     ctx.info[f"{side.name}_operand"] = "packed in scratch"
     return panel_layout(name, panels, spec.k, unit)
 

@@ -10,9 +10,10 @@ Conv picks its loop nest from the shape:
 * a conv onto few pixels with many output channels (a late stage's 7 × 7 image, 1 × 1 or
   not) runs as the transposed GEMM instead, pixels as rows, when that wastes less of the
   micro-tile (`_pixels_as_rows`), its epilogue in a pass of its own along the pixels;
-* depthwise 2-D convs over zero-padded planes on the stack (`conv_direct.depthwise_plane`), or,
-  when strided with thin borders or too large for the stack, with interior and border outputs
-  split (`_depthwise_conv`);
+* depthwise 2-D convs over zero-padded planes on the stack (`conv_direct.depthwise_plane`), at
+  any stride: reading the input in place at a stride cost more (deinterleaving shuffles, a
+  scalar remainder per row) than copying it once; planes too large for the stack run with
+  interior and border outputs split (`_depthwise_conv`);
 * any other conv (few output channels per group, 1-D/3-D) as direct loops: parallel over
   (image, block of `conv_tile_cout` output channels, output rows); for each tile of
   `conv_tile_w` output columns, stack accumulators acc[channels][columns]; loops over input
@@ -175,8 +176,7 @@ def conv_stage(ctx: StageCtx, weight: int, operands: Callable[[str, bool], ConvO
             _implicit_gemm(ctx, geometry, w_shape, ops, group)
     else:
         in_shape = ctx.graph.tensors[ops.x].shape
-        if (depthwise_plane_applies(ctx, geometry, in_shape[1], group, ops.acc_dtype)
-                and not _strided_with_thin_borders(geometry)):
+        if depthwise_plane_applies(ctx, geometry, in_shape[1], group, ops.acc_dtype):
             depthwise_plane(ctx, geometry, w_shape, ops, group, in_shape)
         elif not _depthwise_conv(ctx, geometry, w_shape, ops, group):
             _direct_conv(ctx, geometry, w_shape, ops, group)
@@ -430,20 +430,6 @@ def _border(out_size: int, in_size: int, kernel: int, stride: int, dilation: int
     lo = min(out_size, -(-pad // stride)) if pad > 0 else 0
     hi = (in_size - 1 - (kernel - 1) * dilation + pad) // stride + 1
     return lo, max(lo, min(out_size, hi))
-
-
-def _strided_with_thin_borders(w: Window) -> bool:
-    """A strided 2-D window whose border outputs (those with a tap in the padding) are under a
-    tenth of the output: `_depthwise_conv` reads such a conv's input in place, where the padded
-    copy of `depthwise_plane` would first read all of it for an output a stride² smaller."""
-    if len(w.kernel) != 2 or all(s == 1 for s in w.strides):
-        return False
-    interior = 1
-    for d in range(2):
-        lo, hi = _border(w.out_size[d], w.in_size[d], w.kernel[d], w.strides[d], w.dilations[d],
-                         w.pad_begin[d])
-        interior *= hi - lo
-    return interior >= 0.9 * math.prod(w.out_size)
 
 
 def _depthwise_conv(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: ConvOperands,
