@@ -32,6 +32,7 @@ CASES = [  # batch, heads, q_len, kv_len, head, value, mask, packed_q, transpose
     (1, 1, 70, 19, 5, 3, ADDITIVE, False, False),  # several row tiles, odd head sizes
     (3, 1, 1, 17, 8, 8, None, False, False),  # one query row (decoding)
     (1, 2, 20, 300, 8, 8, ADDITIVE, True, False),  # many keys: row tiles of one micro-tile
+    (2, 1, 70, 40, 8, 8, BOOLEAN, True, False),  # an input mask per batch element, several tiles
 ]
 
 
@@ -48,6 +49,10 @@ def test_fused_attention_matches_onnxruntime(case):
     if case[6] in (CAUSAL, BIAS) and case[2] > 1:  # a constant varying down the score columns
         fused = next(k for k in kernels if fused_stages([k]))
         assert fused.derived_constants, "the constant is not read in the loop order"
+    if case[6] == BOOLEAN and case[2] > 1:  # an input varying down the score columns
+        fused = next(k for k in kernels if fused_stages([k]))
+        assert any("loop order of the scores" in s["stage"] for s in fused.schedule["stages"]), \
+            "the mask is not copied in the loop order"
     values = run_kernels(plan, kernels, dict(zip(graph.inputs, inputs.values())))
     assert_matches([values[t] for t in graph.outputs], reference(onnx_model, inputs))
 

@@ -13,8 +13,9 @@ operations, no horizontal reductions) and both products read their right operand
   query row);
 * Sᵀ = K · Qᵀ with the backend's GEMM micro-kernel, no packing of the scores;
 * the elementwise ops of the chain (scale, bias, mask: any One-to-One ops the block fuses) on
-  each score (a constant they read down the score columns from a copy in loop order), the column
-  maxima, exp(s − max) in place and the column sums;
+  each score (a tensor they read down the score columns from a copy in loop order: a
+  constant's derived at compile time, any other's copied by a stage ahead of the attention), the
+  column maxima, exp(s − max) in place and the column sums;
 * Oᵀ = Vᵀ · Sᵀ with the same micro-kernel, reading the exponentials where they are;
 * O[i, :] = Oᵀ[:, i] / sum[i] through the second MatMul's fused epilogue (the output Transpose
   and Reshape) into the outputs.
@@ -44,6 +45,7 @@ from kiln.codegen.expr import (
     call,
     const,
     iconst,
+    imax,
     imin,
     local,
     evaluate_index,
@@ -55,6 +57,7 @@ from kiln.codegen.expr import (
     rebuild,
     select,
     sub,
+    substitute,
     walk,
 )
 from kiln.codegen.gemm.blocking import round_up
@@ -69,7 +72,7 @@ FLOATS = ("float32", "float64")
 SCORES_BYTES = 32 * 1024  # a tile's scores stay within a 32 KiB L1 data cache
 STACK_BYTES = 384 * 1024  # every local array of one work item (one thread's stack)
 MIN_ITEMS = 8  # work items wanted before row tiles shrink below what L1 allows
-RELAYOUT_GROWTH = 2  # a constant read by the scores is copied in loop order up to this growth
+RELAYOUT_GROWTH = 2  # a tensor read by the scores is copied in loop order up to this growth
 PANEL_OVERHEAD_ROWS = 4  # a micro-tile's fixed cost in rows of multiply-adds (measured, Zen 4)
 REFUSAL = "fused attention"  # the (op, tensor) key a failed trial leaves in the block's refusals
 
@@ -254,7 +257,7 @@ def fused_attention(ctx: StageCtx, chain: AttentionChain) -> None:
         score = ctx.low.builder({first.outputs[0]: held}).value(normaliser.inputs[0], scores_index)
     except (NotFusable, NeedsBuffer):
         raise Refused(second.id, REFUSAL) from None
-    score = _constants_in_loop_order(ctx, score, (b, group, tile, j2, c2))
+    score = _operands_in_loop_order(ctx, score, (b, group, tile, j2, c2))
     best = array_load(mx, dtype, c2)
     c3 = ctx.var("c", g.rows_pad)
     tile_body.append(ir.Loop(c3, iconst(0), iconst(g.rows_pad), [
@@ -299,25 +302,28 @@ def fused_attention(ctx: StageCtx, chain: AttentionChain) -> None:
                     tiles=g.tiles, items=g.items)
 
 
-def _constants_in_loop_order(ctx: StageCtx, score: Expr, loops: tuple[Expr, ...]) -> Expr:
-    """`score` with each constant it reads with a stride along the innermost (vector) loop — a
-    causal mask or a relative-position bias [.., m, n] read down the columns of the scores, a
-    gather per element — read instead from a derived copy laid out in the order of `loops` (over
-    the loops its offset depends on), so that the vector loop reads it contiguously. A copy more
-    than RELAYOUT_GROWTH times the constant's size (a constant broadcast over heads whose
-    offset depends on something else) is not made."""
+def _operands_in_loop_order(ctx: StageCtx, score: Expr, loops: tuple[Expr, ...]) -> Expr:
+    """`score` with each tensor it reads with a stride along the innermost (vector) loop — a
+    causal or padding mask, a relative-position bias [.., m, n] read down the columns of the
+    scores, a gather per element that also keeps the loop from vectorising on AVX2 — read instead
+    from a copy laid out in the order of `loops` (over the loops its offset depends on), so that
+    the vector loop reads it contiguously. A constant's copy is derived at compile time; any other
+    tensor's is made at run time by a stage ahead of the attention (once per kernel call, not per
+    head: a mask broadcast over heads is copied once), whose inner loop runs along the tensor's
+    contiguous axis. A copy more than RELAYOUT_GROWTH times the tensor's size (a tensor
+    broadcast over heads whose offset depends on something else) is not made."""
     inner = loops[-1]
     replaced: dict[Expr, Expr] = {}
     for node in walk([score]):
         tensor = ctx.graph.tensors.get(node.name) if node.op == "load" else None
-        if tensor is None or not tensor.is_constant:
+        if tensor is None or node in replaced:
             continue
         offset = node.args[0]
         if inner not in offset.free or offset.free - set(loops):
             continue
         used = [v for v in loops if v in offset.free]
         extents = [v.range[1] + 1 for v in used]
-        if math.prod(extents) > RELAYOUT_GROWTH * tensor.data.size:
+        if math.prod(extents) > RELAYOUT_GROWTH * tensor.numel:
             continue
         grid = np.meshgrid(*(np.arange(e) for e in extents), indexing="ij", sparse=True)
         try:
@@ -326,10 +332,43 @@ def _constants_in_loop_order(ctx: StageCtx, score: Expr, loops: tuple[Expr, ...]
             continue
         if np.all(np.diff(offsets, axis=-1) == 1):  # already contiguous along the vector loop
             continue
-        # offsets past the constant belong to tiles past the last (never read): clipped
-        table = tensor.data.reshape(-1)[np.clip(offsets, 0, tensor.data.size - 1)]
-        replaced[node] = load(ctx.derived(table), node.dtype, linearize(used, tuple(extents)))
+        copy = linearize(used, tuple(extents))
+        if tensor.is_constant:
+            # offsets past the constant belong to tiles past the last (never read): clipped
+            table = tensor.data.reshape(-1)[np.clip(offsets, 0, tensor.data.size - 1)]
+            replaced[node] = load(ctx.derived(table), node.dtype, copy)
+        else:
+            name = _copy_in_loop_order(ctx, node, used, extents, offsets)
+            replaced[node] = load(name, node.dtype, copy)
     return _replace(score, replaced, {}) if replaced else score
+
+
+def _copy_in_loop_order(ctx: StageCtx, node: Expr, used: list[Expr], extents: list[int],
+                        offsets: np.ndarray) -> str:
+    """A stage copying the load `node` into scratch at linearize(used) (the loops reordered so
+    that the innermost one steps through the tensor by 1 where one does); the scratch's name.
+    Offsets past the tensor (tiles past the last, never read) are clamped into it."""
+    tensor = ctx.graph.tensors[node.name]
+    offset = node.args[0]
+    if offsets.max() >= tensor.numel or offsets.min() < 0:
+        offset = imin(imax(offset, iconst(0)), iconst(tensor.numel - 1))
+    fresh = [ctx.var("rl", e) for e in extents]
+    order = sorted(range(len(used)), key=lambda a: _unit_stride(offsets, a))
+    name = ctx.scratch(node.dtype, math.prod(extents))
+    body: list[ir.Stmt] = [ir.Store(name, linearize(fresh, tuple(extents)),
+                                    load(node.name, node.dtype,
+                                         substitute(offset, dict(zip(used, fresh)))))]
+    for position, a in enumerate(reversed(order)):
+        innermost, outermost = position == 0, position == len(order) - 1
+        body = [ir.Loop(fresh[a], iconst(0), iconst(extents[a]), body, simd=innermost,
+                        parallel=1 if outermost else 0, grain="chunks")]
+    ctx.stage(f"{node.name} in the loop order of the scores", body, math.prod(extents))
+    return name
+
+
+def _unit_stride(offsets: np.ndarray, axis: int) -> bool:
+    """Whether the offsets step by 1 along `axis` (that loop goes innermost)."""
+    return offsets.shape[axis] > 1 and bool(np.all(np.diff(offsets, axis=axis) == 1))
 
 
 def _replace(e: Expr, mapping: dict[Expr, Expr], memo: dict[Expr, Expr]) -> Expr:
