@@ -3,6 +3,8 @@ shape the ISAs use, cache blocks small enough that every axis has several blocks
 last one, constant and computed B operands, batches with broadcasting, convolutions."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -233,6 +235,20 @@ def test_a_fused_epilogue_runs_once_per_block(batch, m, k, n, tile):
     kernels = run_with(model(nodes, spec, ["y"], {"w": w, "bias": bias}), spec, schedule)
     stage = next(s for k in kernels for s in k.schedule["stages"] if s.get("form") == "packed")
     assert stage.get("epilogue") == "per block" and "whole_tiles" not in stage
+
+
+@pytest.mark.parametrize("tile", TILES, ids=lambda t: f"{t[1]}x{t[2]}v{t[0]}")
+def test_epilogue_rows_of_whole_tiles_run_a_counted_vector_loop(tile):
+    """Columns in whole micro-tiles: each epilogue row is a simd loop of exactly nr iterations
+    from 0 (the C compiler sees the count), and the results still match."""
+    _, mr, nr = tile
+    spec = {"a": ((2 * mr + 1, 13), "float32")}
+    w = np.random.default_rng(12).standard_normal((13, 2 * nr)).astype(np.float32)
+    bias = np.random.default_rng(13).standard_normal(2 * nr).astype(np.float32)
+    m = model([helper.make_node("MatMul", ["a", "w"], ["h"]),
+               helper.make_node("Add", ["h", "bias"], ["y"])], spec, ["y"], {"w": w, "bias": bias})
+    kernels = run_with(m, spec, small_blocks(tile))
+    assert any(re.search(rf"for \(int64_t j\d* = 0; j\d* < {nr}; ", k.source) for k in kernels)
 
 
 def test_matrix_vector_products_are_dot_products():

@@ -102,5 +102,17 @@ def tile_epilogue(ctx: StageCtx, spec: Contraction, ldc: int, tile: str, b: Expr
     rows_inner = (spec.store is None and spec.m > 1
                   and stride_of(load("probe", spec.dtype, offset), i) == 1)
     if rows_inner:
-        return ir.Loop(j, j_lo, j_end, [ir.Loop(i, i_lo, i_end, stmts, simd=True)])
-    return ir.Loop(i, i_lo, i_end, [ir.Loop(j, j_lo, j_end, stmts, simd=True)])
+        return ir.Loop(j, j_lo, j_end, [_vector_loop(ctx, i, i_lo, i_end, stmts)])
+    return ir.Loop(i, i_lo, i_end, [_vector_loop(ctx, j, j_lo, j_end, stmts)])
+
+
+def _vector_loop(ctx: StageCtx, v: Expr, start: Expr, stop: Expr, body: list[ir.Stmt]) -> ir.Loop:
+    """The simd loop of `v` over [start, stop); counted from 0 when it runs a fixed number of
+    times (a whole micro-tile's row), so that the C compiler sees the count: with bounds it must
+    subtract at run time it adds a remainder loop and checks to every row of every tile."""
+    extent = sub(stop, start)
+    if not extent.is_const:
+        return ir.Loop(v, start, stop, body, simd=True)
+    counted = ctx.var(v.name.rstrip("0123456789"), extent.value)
+    ir.map_exprs(body, lambda e: substitute(e, {v: add(start, counted)}))
+    return ir.Loop(counted, iconst(0), extent, body, simd=True)
