@@ -7,7 +7,8 @@ alternatives changes the block's generated C source (code generation is cheap, a
 block; measuring is not). Which genes are offered depends on the block's stages:
 
 * contractions and implicit-GEMM convolutions: micro-kernel shape × vector width (within the
-  register file), cache blocks mc / nc / kc, the OpenMP schedule of the task loop, and the
+  register file), cache blocks mc / nc / kc and the cache the slice of the sum may grow
+  into (`gemm_l2_bytes`), the OpenMP schedule of the task loop, and the
   output tile of the unpacked (`ikj`) path;
 * direct convolutions (depthwise): output-channel block and row tile, and the algorithm switch
   (implicit GEMM or direct loops);
@@ -62,6 +63,7 @@ def genes(target: Target) -> tuple[Gene, ...]:
         Gene("gemm_mc", ({}, *({"gemm_mc": v} for v in (48, 72, 144, 192, 288)))),
         Gene("gemm_nc", ({}, *({"gemm_nc": v} for v in (128, 192, 384, 512, 1024)))),
         Gene("gemm_kc", ({}, *({"gemm_kc": v} for v in (128, 192, 384, 512, 768)))),
+        Gene("gemm_l2_bytes", ({}, *({"gemm_l2_bytes": v} for v in (0, 1 << 19, 1 << 21)))),
         Gene("gemm_omp_schedule", ({}, {"gemm_omp_schedule": "static"})),
         Gene("matmul_tile", ({}, *({"matmul_tile_m": m, "matmul_tile_n": n}
                                    for m in (8, 16, 32, 64) for n in (32, 64, 128, 256)

@@ -3,7 +3,10 @@ import json
 import time
 import zipfile
 
+import numpy as np
+import onnx
 import pytest
+from onnx import TensorProto, helper
 
 from kiln.cli import main
 from kiln.codegen import generate
@@ -186,3 +189,21 @@ def test_cli_prints_measured_and_reused(small_model, tmp_path, capsys, monkeypat
     assert main(argv) == 0
     assert "tuning (quick" in (second := capsys.readouterr().out)
     assert " 0 kernels measured" in second
+
+
+def test_the_cache_a_slice_of_the_sum_may_grow_into_is_a_gene_that_changes_the_code(tmp_path):
+    """A product whose K (1536) is longer than the default slice: with no cache to grow into the
+    kernel keeps the schedule's slice, with the default L2 it takes longer ones."""
+    w = np.random.default_rng(0).standard_normal((1536, 64)).astype(np.float32)
+    graph = helper.make_graph([helper.make_node("MatMul", ["a", "w"], ["y"])], "g",
+                              [helper.make_tensor_value_info("a", TensorProto.FLOAT, [48, 1536])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [48, 64])],
+                              [onnx.numpy_helper.from_array(w, "w")])
+    path = tmp_path / "mm.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    plan = plan_of(path, default_store(":memory:"))
+    gene = next(g for g in space.genes(host_target()) if g.name == "gemm_l2_bytes")
+    block = plan.blocks[0]
+    hashes = {space.kernel_hash(generate(plan, host_target(), block_schedules={block.id: alt})[0])
+              for alt in gene.alternatives}
+    assert len(hashes) > 1
