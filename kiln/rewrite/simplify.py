@@ -286,6 +286,43 @@ _simp("batchnorm_to_affine", _BN, _bn_as_affine,
       guard=f.all_of(_inference_bn, lambda m: m.rank("Y") >= 2), example={"family": "batchnorm"},
       replacement_text="Y⊙scale + shift", note="4 FLOPs per element become 2")
 
+
+# A zero Pad of the spatial axes before a Conv (EfficientNet's stride-2 convs, TF "SAME" exports)
+# is more of the Conv's own padding: the padded tensor is never written, whatever the partitioner.
+_PAD = op("Pad")(X, Var("p", "param"), Var("v", "param"), Var("pax", "param"), name="pad")
+
+
+def _pad_amounts(m) -> list[int]:
+    return [int(v) for v in m.value("p").reshape(-1)]
+
+
+def _pad_into_conv_ok(m) -> bool:
+    rank = m.rank("X")
+    if (m.attr("pad", "mode", "constant") != "constant" or m["p"] is None or m["pax"] is not None
+            or m.attr("conv", "auto_pad", "NOTSET") not in ("NOTSET", "VALID") or rank < 3):
+        return False
+    if m["v"] is not None and m.value("v").reshape(-1)[:1].tolist() not in ([], [0]):
+        return False
+    pads = _pad_amounts(m)
+    batch_and_channel = pads[:2] + pads[rank:rank + 2]
+    return len(pads) == 2 * rank and not any(batch_and_channel) and min(pads) >= 0
+
+
+def _conv_pads(m) -> list[int]:
+    """The Conv's pads (none under auto_pad VALID) plus the Pad's spatial begins and ends."""
+    rank, pads = m.rank("X"), _pad_amounts(m)
+    extra = pads[2:rank] + pads[rank + 2:]
+    explicit = m.attr("conv", "auto_pad", "NOTSET") == "NOTSET"
+    own = (m.attr("conv", "pads") if explicit else None) or [0] * len(extra)
+    return [int(a) + b for a, b in zip(own, extra)]
+
+
+_simp("pad_into_conv", _Conv(_PAD, Wc, Var("b", "param"), name="conv"),
+      _Conv(X, Wc, Var("b", "param"), like="conv", pads=_conv_pads,
+            auto_pad="NOTSET"), guard=_pad_into_conv_ok,
+      example={"family": "pad_conv"}, replacement_text="Conv(X, W, b, pads=pads + spatial pads)",
+      note="zero padding is the Conv's own padding")
+
 _simp("gemm_add_bias", Add(Gemm(A, B, name="g"), c), Gemm(A, B, c, like="g", beta=1.0),
       example={"family": "gemm"}, note="an added constant becomes the Gemm's bias")
 _simp("matmul_bias_to_gemm", Add(MatMul(X, W1), c), Gemm(X, W1, c),

@@ -8,7 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from onnx import helper
 
-from tests.codegen.harness import check_model, model, random_inputs
+from kiln import frontend
+from kiln.rewrite import rewrite
+from tests.codegen.harness import (PARTITIONERS, assert_matches, check_model, model, random_inputs,
+                                   reference, run_graph)
 
 
 @st.composite
@@ -73,6 +76,38 @@ def test_pad_folded_into_conv_and_swish():
              helper.make_node("Sigmoid", ["c"], ["s"]),
              helper.make_node("Mul", ["c", "s"], ["y"])]
     check_model(model(nodes, spec, ["y"], inits), random_inputs(spec))
+
+
+def test_zero_pad_between_blocks_becomes_the_conv_padding():
+    """EfficientNet's stride-2 stage: 1×1 Conv + SiLU, a zero Pad (end only, the Conv VALID), a
+    depthwise Conv + SiLU. The rewrite folds the Pad into the Conv's pads, so under every
+    partitioner no kernel writes the padded tensor (the planners used to put the Pad in the
+    1×1 conv's block: a second pass over a larger tensor). It matches onnxruntime."""
+    rng = np.random.default_rng(4)
+    spec = {"x": ((1, 3, 11, 11), "float32")}
+    inits = {"w1": rng.standard_normal((8, 3, 1, 1)).astype(np.float32),
+             "w2": rng.standard_normal((8, 1, 3, 3)).astype(np.float32),
+             "b2": rng.standard_normal(8).astype(np.float32),
+             "pads": np.array([0, 0, 0, 0, 0, 0, 1, 1], np.int64),
+             "zero": np.array(0, np.float32)}
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["e"], kernel_shape=[1, 1]),
+             helper.make_node("Sigmoid", ["e"], ["es"]),
+             helper.make_node("Mul", ["e", "es"], ["a"]),
+             helper.make_node("Pad", ["a", "pads", "zero"], ["ap"], mode="constant"),
+             helper.make_node("Conv", ["ap", "w2", "b2"], ["d"], kernel_shape=[3, 3],
+                              strides=[2, 2], group=8, auto_pad="VALID"),
+             helper.make_node("Sigmoid", ["d"], ["ds"]),
+             helper.make_node("Mul", ["d", "ds"], ["y"])]
+    onnx_model = model(nodes, spec, ["y"], inits)
+    inputs = random_inputs(spec)
+    want = reference(onnx_model, inputs)
+    graph = rewrite(frontend.build(onnx_model, {}, "test")).graph
+    assert not [op for op in graph.ops if op.op_type == "Pad"]
+    depthwise = next(op for op in graph.ops if op.attrs.get("group") == 8)
+    assert graph.tensors[depthwise.inputs[0]].shape == (1, 8, 11, 11)
+    assert list(depthwise.attrs["pads"]) == [0, 0, 1, 1]
+    for name in PARTITIONERS:
+        assert_matches(run_graph(graph, name, inputs), want, f"[{name}]")
 
 
 @pytest.mark.parametrize("attrs", [

@@ -377,6 +377,31 @@ def conv_pair(draw, rule, wild):
     return plan
 
 
+def pad_conv(draw, rule, wild):
+    """A zero Pad of the spatial axes; in wild mode perhaps with one flaw: a non-zero value, a
+    padded batch axis, a negative (cropping) pad, or a reflecting mode."""
+    plan = conv(draw, rule, wild)
+    if draw(st.booleans()):  # EfficientNet's export: Pad, then Conv(auto_pad=VALID)
+        plan.attrs["Conv"] = {"auto_pad": "VALID", "strides": plan.attrs["Conv"]["strides"]}
+    begin = [0, 0] + [draw(st.integers(0, 2)) for _ in range(2)]
+    end = [0, 0] + [draw(st.integers(0, 2)) for _ in range(2)]
+    value = draw(st.sampled_from([None, np.zeros((), np.float32)]))
+    flaw = draw(st.sampled_from([None, "value", "axis", "negative", "mode"])) if wild else None
+    if flaw == "value":
+        value = np.full((), 0.5, np.float32)
+    elif flaw == "axis":
+        begin[0] = 1
+    elif flaw == "negative":
+        end[draw(st.integers(2, 3))] = -1
+    elif flaw == "mode":
+        plan.attrs["pad"] = {"mode": draw(st.sampled_from(["reflect", "edge"]))}
+        begin[2] = end[2] = 1
+    plan.params["p"] = np.asarray(begin + end, np.int64)
+    plan.params["v"] = value
+    plan.params["pax"] = None
+    return plan
+
+
 def _bn_params(plan: Plan, draw, channels: int):
     rng = np.random.default_rng(draw(st.integers(0, 2**16)))
     plan.data["bs"] = rng.uniform(0.5, 2, channels).astype(np.float32)
@@ -492,6 +517,7 @@ FAMILIES = {
     "matmul_scale": matmul_scale, "matmul_pair": matmul_pair, "matmul_factor": matmul_factor,
     "matmul_bias": matmul_bias, "gemm": gemm, "conv": conv, "conv_pair": conv_pair,
     "batchnorm_conv": batchnorm_conv, "batchnorm_gemm": batchnorm_gemm, "batchnorm": batchnorm,
+    "pad_conv": pad_conv,
     "affine_gemm": affine_gemm, "affine_gemm_reshape": affine_gemm_reshape,
     "matmul_transposes": matmul_transposes, "layernorm": layernorm, "gelu": gelu,
     "gelu_tanh": gelu_tanh,
