@@ -90,6 +90,18 @@ def fits_registers(vector_bytes: int, accumulators: int, b_vectors: int) -> bool
     return accumulators + b_vectors + 1 <= VECTOR_REGISTERS.get(vector_bytes, 16)
 
 
+def same_work_tiles(base: MicroKernel) -> list[tuple[int, int]]:
+    """(mr, nr) of the tiles with as many accumulators as `base` (as many FMAs per step of the
+    sum), no more loads per step (`mr` broadcasts and `nr / lanes` vectors: the FMAs stay the
+    bound) and room in the register file; `base`'s own shape first."""
+    lanes = base.lanes
+    accumulators, loads = base.mr * base.nr // lanes, base.mr + base.nr // lanes
+    shapes = [(accumulators // v, v * lanes) for v in range(1, 5)
+              if accumulators % v == 0 and accumulators // v + v <= loads
+              and fits_registers(base.vector_bytes, accumulators, v)]
+    return [(base.mr, base.nr)] + [t for t in shapes if t != (base.mr, base.nr)]
+
+
 def rows_evict_each_other(k: MicroKernel, row_bytes: int) -> bool:
     """Whether the kernel's rows of A, read in place `row_bytes` apart, put more lines into one L1
     set than it has ways (a row stride of 12 KiB puts all 12 rows of an AVX-512 tile into one), so
@@ -123,24 +135,58 @@ def vector_extension_source(k: MicroKernel) -> str:
     body = register_tile_body(k, vec, "int64_t",
                               load=lambda p: f"*(const {vecu} *)({p})",
                               store=lambda value, p: f"*({vecu} *)({p}) = {value}",
-                              zero=f"({vec}){{0}}")
+                              zero=f"({vec}){{0}}", pin=_pinned_in_registers(k))
     return "\n".join(head + body + ["}"])
 
 
+# Where a vector of so many bytes is one register, the inline-asm constraint that names one.
+_VECTOR_REGISTER_CONSTRAINTS = {
+    16: (("defined(__x86_64__)", "x"), ("defined(__aarch64__)", "w")),
+    32: (("defined(__x86_64__) && defined(__AVX__)", "x"),),
+    64: (("defined(__x86_64__) && defined(__AVX512F__)", "v"),),
+}
+
+
+def _pinned_in_registers(k: MicroKernel) -> Callable[[list[str]], list[str]] | None:
+    """For a tile that needs the whole register file, lines of an empty asm that takes `values`
+    in vector registers and gives them back, so that GCC no longer folds their loads into each
+    FMA's memory operand (where a vector is one register; elsewhere nothing). With all 16 AVX2
+    registers needed (a 4 × 24 tile: 12 accumulators, 3 B vectors, a broadcast) GCC 12 did so,
+    reloading B for every FMA, 16 loads per 12 FMAs: the tile ran 1.3× as long as a 6 × 16 one,
+    0.9× with B pinned."""
+    vectors = k.nr // k.lanes
+    if fits_registers(k.vector_bytes, k.mr * vectors + 1, vectors):
+        return None  # a register to spare: GCC keeps B in registers itself
+
+    def pin(values: list[str]) -> list[str]:
+        lines = []
+        for condition, constraint in _VECTOR_REGISTER_CONSTRAINTS.get(k.vector_bytes, ()):
+            operands = ", ".join(f'"+{constraint}"({v})' for v in values)
+            lines += [f"#{'el' if lines else ''}if defined(__GNUC__) && {condition}",
+                      f'    __asm__("" : {operands});']
+        return lines + ["#endif"] if lines else []
+    return pin
+
+
 def register_tile_body(k: MicroKernel, vec: str, index: str, load: Callable[[str], str],
-                       store: Callable[[str, str], str], zero: str) -> list[str]:
+                       store: Callable[[str, str], str], zero: str,
+                       pin: Callable[[list[str]], list[str]] | None = None) -> list[str]:
     """The body of a micro-kernel function over (kc, a, b, ldb, c, ldc, accumulate): `mr` ×
     `nr / lanes` accumulators of the vector type `vec`, loaded (`load(pointer)`) or `zero`, updated
     `kc` times, stored (`store(value, pointer)`). Every backend's micro-kernel shares it; each
-    spells its vector type and memory accesses."""
+    spells its vector type and memory accesses, and `pin` (lines that keep the step's B vectors in
+    registers), if it has one."""
     lanes, vectors = k.lanes, k.nr // k.lanes
     acc = [[f"c{r}_{v}" for v in range(vectors)] for r in range(k.mr)]
     lines = [f"  {vec} {acc[r][v]} = accumulate ? {load(f'c + {r} * ldc + {v * lanes}')} : {zero};"
              for r in range(k.mr) for v in range(vectors)]
     lines.append(f"  for ({index} k = 0; k < kc; ++k) {{")
     row = "rows[k]" if k.indirect else "k * ldb"  # an indirect kernel reads B rows by offset
-    lines += [f"    const {vec} b{v} = {load(f'b + {row} + {v * lanes}')};"
+    const = "" if pin else "const "
+    lines += [f"    {const}{vec} b{v} = {load(f'b + {row} + {v * lanes}')};"
               for v in range(vectors)]
+    if pin:
+        lines += pin([f"b{v}" for v in range(vectors)])
     for r in range(k.mr):
         element = f"a[{r * k.lda} + k]" if k.lda else f"a[k * {k.mr} + {r}]"
         lines.append(f"    {{ const {k.scalar} a{r} = {element};")

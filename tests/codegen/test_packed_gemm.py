@@ -78,15 +78,16 @@ def test_batched_matmul_of_activations(batch, m, k, n, tile):
 
 
 @pytest.mark.parametrize("tile", TILES, ids=lambda t: f"{t[1]}x{t[2]}v{t[0]}")
-def test_activation_operand_read_in_place_or_copied_to_rows(tile):
-    """B rows that are whole panels are read where they are; others are copied block by block by
-    the GEMM's tasks, past N padded to whole panels."""
-    n = 48
+@pytest.mark.parametrize("n", [48, 50])
+def test_activation_operand_read_in_place_or_copied_to_rows(tile, n):
+    """B rows that are whole vectors are read where they are (a last, partial panel runs a kernel
+    of just its vectors); others are copied block by block by the GEMM's tasks, past N padded to
+    whole panels."""
     spec = {"a": ((2, 13, 10), "float32"), "b": ((2, 10, n), "float32")}
     kernels = run_with(model([helper.make_node("MatMul", ["a", "b"], ["y"])], spec, ["y"]), spec,
                        small_blocks(tile))
     stage = next(s for k in kernels for s in k.schedule["stages"] if s.get("form") == "packed")
-    want = "read in place" if n % tile[2] == 0 else "copied by the tasks"
+    want = "read in place" if n % (tile[0] // 4) == 0 else "copied by the tasks"
     assert stage["b_operand"] == want
 
 
@@ -392,3 +393,24 @@ def test_recurrent_input_projection_records_its_gemm_on_its_own_stage():
     packed = [s for s in stages if s.get("form") == "packed"]
     assert [s["stage"] for s in packed] == ["contraction LSTM (op0), packed GEMM"]
     assert not any("micro_kernel" in s for s in stages if s["stage"].startswith("LSTM"))
+
+
+@pytest.mark.parametrize("clip", [False, True])
+@pytest.mark.parametrize("pixels", [(8, 12), (5, 8)])
+def test_few_output_channels_run_the_least_padding_tile(clip, pixels):
+    """A 1 × 1 conv of 16 output channels with AVX2's 6 × 16 tile runs 4 × 24 tiles instead (as
+    many FMAs per step of the sum, no padding to 18 rows); its pixels are read in place also when
+    they are not whole 24-column panels (40 pixels: the last panel runs a kernel of its vectors);
+    bias and ReLU6 after."""
+    spec = {"x": ((1, 12, *pixels), "float32")}
+    rng = np.random.default_rng(sum(pixels))
+    w = rng.standard_normal((16, 12, 1, 1)).astype(np.float32)
+    bias = rng.standard_normal(16).astype(np.float32)
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c" if clip else "y"])]
+    if clip:
+        nodes.append(helper.make_node("Clip", ["c", "lo", "hi"], ["y"]))
+    constants = {"w": w, "b": bias, "lo": np.float32(0), "hi": np.float32(6)}
+    kernels = run_with(model(nodes, spec, ["y"], constants), spec,
+                       Schedule(vector_bytes=32, gemm_mr=6, gemm_nr=16, gemm_mc=8, gemm_nc=48))
+    stage = next(s for k in kernels for s in k.schedule["stages"] if s.get("form") == "packed")
+    assert (stage["micro_kernel"], stage["b_operand"]) == ("4x24", "read in place")

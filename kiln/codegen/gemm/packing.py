@@ -145,15 +145,18 @@ def scratch_panels(ctx: StageCtx, spec: Contraction, side: OperandSide, unit: in
     return panel_layout(name, panels, spec.k, unit)
 
 
-def b_rows(ctx: StageCtx, spec: Contraction, side: OperandSide, nr: int) -> Packed:
+def b_rows(ctx: StageCtx, spec: Contraction, side: OperandSide, nr: int, unit: int = 0) -> Packed:
     """B computed at run time, read by the micro-kernel as row-major rows of `ld` elements: in
-    place when it is a plain row-major load whose rows are whole panels, else copied once into
+    place when it is a plain row-major load whose rows are whole multiples of `unit` (default
+    `nr`: whole panels; the packed GEMM's last panel runs a kernel of just its vectors, so there
+    a whole number of vectors suffices), else copied once into
     scratch rows padded to whole panels, by a loop nest along B's rows (an implicit-GEMM
     convolution's im2col: contiguous along output pixels, its loops split by output row)."""
     probe, pb, pj, pk = side.probes(ctx, spec.k)
     nb = max(math.prod(spec.b_batch), 1)
     row = stride_of(probe, pk)
-    if stride_of(probe, pj) == 1 and row is not None and row >= spec.n and spec.n % nr == 0:
+    whole = spec.n % (unit or nr) == 0
+    if stride_of(probe, pj) == 1 and row is not None and row >= spec.n and whole:
         offset = probe.args[0]
         ctx.info["b_operand"] = "read in place"
         return Packed(probe.name, lambda b, k0, j0: substitute(offset, {pb: b, pk: k0, pj: j0}), row)
@@ -173,7 +176,7 @@ def b_rows(ctx: StageCtx, spec: Contraction, side: OperandSide, nr: int) -> Pack
     return Packed(name, lambda b, k0, j0: add(mul(add(mul(b, spec.k), k0), ld), j0), ld)
 
 
-def b_copied_by_tasks(ctx: StageCtx, spec: Contraction, side: OperandSide, nr: int) -> bool:
+def b_copied_by_tasks(ctx: StageCtx, spec: Contraction, side: OperandSide, unit: int) -> bool:
     """Whether a run-time B that `b_rows` would copy is instead copied block by block by the GEMM's
     own tasks (`b_block_copy`): a plain matrix, contiguous along its rows or columns (attention's
     ragged or transposed operands), so that no stage of its own runs (and meets its threads) to
@@ -182,7 +185,7 @@ def b_copied_by_tasks(ctx: StageCtx, spec: Contraction, side: OperandSide, nr: i
     if probe.op != "load":
         return False
     along_j, along_k = stride_of(probe, pj), stride_of(probe, pk)
-    in_place = along_j == 1 and along_k is not None and along_k >= spec.n and spec.n % nr == 0
+    in_place = along_j == 1 and along_k is not None and along_k >= spec.n and spec.n % unit == 0
     return not in_place and (along_j == 1 or along_k == 1)
 
 

@@ -69,7 +69,7 @@ from kiln.codegen.ops.registry import inline, stage
 from kiln.codegen.gemm.contraction import contraction
 from kiln.codegen.gemm.spec import AOperand, BOperand, Contraction
 from kiln.codegen.gemm.blocking import blocking, round_up
-from kiln.codegen.gemm.packed import TASK_COPY_BYTES, micro_kernel
+from kiln.codegen.gemm.packed import TASK_COPY_BYTES, least_padding_tile, micro_kernel
 from kiln.codegen.ops.conv_direct import (
     depthwise_plane,
     depthwise_plane_applies,
@@ -224,7 +224,7 @@ def _pixels_as_rows(ctx: StageCtx, dtype: str, channels_out: int, pixels: int, r
     packed element, and each result costs two more: stored apart from its channel's
     neighbours, then read back by the epilogue's pass (`_by_pixels`). `copied`: the other way
     round, the input (B) is copied block by block by the GEMM's tasks, since its rows are not
-    whole panels (`kiln.codegen.gemm.packing.b_copied_by_tasks`; larger blocks than
+    whole vectors (`kiln.codegen.gemm.packing.b_copied_by_tasks`; larger blocks than
     `TASK_COPY_BYTES` are packed once by a stage of their own): once per block of output
     channels, as many times as the task split makes such blocks (on a 14 × 14 or 7 × 7 image,
     with 2 threads, often as much work as the products)."""
@@ -233,13 +233,14 @@ def _pixels_as_rows(ctx: StageCtx, dtype: str, channels_out: int, pixels: int, r
             or pixels < s.gemm_min_m or channels_out < s.gemm_min_n):
         return False  # not a CPU's packed GEMM either way
     uk = micro_kernel(ctx, dtype)
+    weights_uk = least_padding_tile(uk, channels_out)
     cycle = 2 * uk.lanes
-    as_columns = round_up(channels_out, uk.mr) * columns(uk.nr) * reduction
+    as_columns = round_up(channels_out, weights_uk.mr) * columns(weights_uk.nr) * reduction
     if copied:
-        blk = blocking(channels_out, pixels, reduction, batch, uk, s.gemm_mc, s.gemm_nc,
+        blk = blocking(channels_out, pixels, reduction, batch, weights_uk, s.gemm_mc, s.gemm_nc,
                        s.gemm_kc)
         if blk.kc * blk.nc * np.dtype(dtype).itemsize <= TASK_COPY_BYTES:
-            as_columns += cycle * -(-channels_out // blk.mc) * reduction * columns(uk.nr)
+            as_columns += cycle * -(-channels_out // blk.mc) * reduction * columns(weights_uk.nr)
     as_rows = ((round_up(pixels, uk.mr) * round_up(channels_out, uk.nr) + cycle * pixels)
                * reduction + 2 * cycle * pixels * channels_out)
     return as_rows < as_columns
@@ -335,7 +336,7 @@ def _pointwise(ctx: StageCtx, w_shape: tuple[int, ...], ops: ConvOperands) -> No
         return Index(out.shape, flat=add(mul(add(mul(b, m), i), pixels), j))
 
     if _pixels_as_rows(ctx, ops.acc_dtype, m, pixels, c, lambda nr: round_up(pixels, nr), n,
-                       pixels % micro_kernel(ctx, ops.acc_dtype).nr != 0):
+                       pixels % micro_kernel(ctx, ops.acc_dtype).lanes != 0):
         _by_pixels(ctx, ops, (n,), (pixels, m, c), ((n,), ()), lambda b, i, k: pixel(b, k, i),
                    lambda _, k, j: weight(j, k))
         ctx.info["conv"] = "GEMM, pixels as rows"

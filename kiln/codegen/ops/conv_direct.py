@@ -47,7 +47,7 @@ from kiln.codegen.gemm.packed import micro_kernel
 from kiln.codegen.gemm.packing import OperandSide, constant_panels, scratch_panels
 from kiln.codegen.gemm.spec import BOperand, Contraction, batch_of
 from kiln.codegen.indexing import Index
-from kiln.codegen.microkernel import MicroKernel, fits_registers
+from kiln.codegen.microkernel import MicroKernel, same_work_tiles
 from kiln.codegen.ops.conv_window import ConvOperands, Window
 
 
@@ -103,12 +103,7 @@ def direct_tile(base: MicroKernel, w: Window, channels_out: int) -> MicroKernel:
     grid's columns (`direct_columns`) to `nr`. On a stem's 64 output channels 12 rows waste an
     eighth of the work, 8 rows none. Ties go to `base` (6 × 64 measured no faster than 12 × 32
     on as many products)."""
-    lanes = base.lanes
-    accumulators, loads = base.mr * base.nr // lanes, base.mr + base.nr // lanes
-    shapes = [(accumulators // v, v * lanes) for v in range(1, 5)
-              if accumulators % v == 0 and accumulators // v + v <= loads
-              and fits_registers(base.vector_bytes, accumulators, v)]
-    mr, nr = min(shapes + [(base.mr, base.nr)],
+    mr, nr = min(same_work_tiles(base),
                  key=lambda t: (round_up(channels_out, t[0]) * direct_columns(w, t[1]),
                                 t != (base.mr, base.nr)))
     return MicroKernel(base.dtype, mr, nr, base.vector_bytes, indirect=True)
