@@ -157,6 +157,8 @@ def _pinned_in_registers(k: MicroKernel) -> Callable[[list[str]], list[str]] | N
     vectors = k.nr // k.lanes
     if fits_registers(k.vector_bytes, k.mr * vectors + 1, vectors):
         return None  # a register to spare: GCC keeps B in registers itself
+    if not fits_registers(k.vector_bytes, k.mr * vectors, vectors):
+        return None  # B cannot stay in registers anyway (a 1 × 64 NEON row: 16 B vectors)
 
     def pin(values: list[str]) -> list[str]:
         lines = []

@@ -4,6 +4,8 @@ last one, constant and computed B operands, batches with broadcasting, convoluti
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 
 import numpy as np
 import pytest
@@ -14,7 +16,13 @@ from onnx import helper
 from kiln import frontend
 from kiln.codegen import generate
 from kiln.codegen.gemm.blocking import blocking
-from kiln.codegen.microkernel import ISA_TILES, MicroKernel, tile_for, vector_extension_source
+from kiln.codegen.microkernel import (
+    ISA_TILES,
+    MicroKernel,
+    fits_registers,
+    tile_for,
+    vector_extension_source,
+)
 from kiln.codegen.schedule import Schedule
 from kiln.target import host_target
 from tests.codegen.harness import (
@@ -414,3 +422,25 @@ def test_few_output_channels_run_the_least_padding_tile(clip, pixels):
                        Schedule(vector_bytes=32, gemm_mr=6, gemm_nr=16, gemm_mc=8, gemm_nc=48))
     stage = next(s for k in kernels for s in k.schedule["stages"] if s.get("form") == "packed")
     assert (stage["micro_kernel"], stage["b_operand"]) == ("4x24", "read in place")
+
+
+@pytest.mark.parametrize("compiler,flags,tile", [
+    ("gcc", ("-mavx2", "-mfma"), MicroKernel("float32", 4, 24, 32)),
+    ("aarch64-linux-gnu-gcc", ("-march=armv8-a",), MicroKernel("float32", 1, 64, 16)),
+    ("aarch64-linux-gnu-gcc", ("-march=armv8-a",), MicroKernel("float32", 8, 12, 16)),
+])
+def test_micro_kernels_that_fill_the_register_file_compile(compiler, flags, tile, tmp_path):
+    """A tile that needs every vector register pins its B vectors in registers (AVX2's 4 × 24);
+    one whose B vectors cannot all stay there (a 1 × 64 NEON row: 16 of them, more operands than
+    an asm takes) pins nothing. Each compiles for its ISA."""
+    if shutil.which(compiler) is None:
+        pytest.skip(f"no {compiler}")
+    source = vector_extension_source(tile)
+    vectors, accumulators = tile.nr // tile.lanes, tile.mr * tile.nr // tile.lanes
+    exactly = (fits_registers(tile.vector_bytes, accumulators, vectors)
+               and not fits_registers(tile.vector_bytes, accumulators + 1, vectors))
+    assert ("__asm__" in source) == exactly
+    path = tmp_path / "ukr.c"
+    path.write_text("#include <stdint.h>\n" + source + "\n")
+    subprocess.run([compiler, *flags, "-O2", "-c", str(path), "-o", str(tmp_path / "ukr.o")],
+                   check=True, capture_output=True)
