@@ -120,7 +120,9 @@ class MicroKernelCall:
     """One register-blocked GEMM tile update (`kiln.codegen.microkernel`):
     `kernel(kc, a + a_offset, b + b_offset, ldb, c + c_offset, ldc, accumulate)`. `a` and `b` are
     kernel buffers (packed weights or scratch), `c` a local array. An indirect kernel takes the
-    row-offset table `rows + rows_offset` (a kernel buffer of int32) in place of `ldb`."""
+    row-offset table `rows + rows_offset` (a kernel buffer of int32) in place of `ldb`. A kernel
+    with a tile epilogue also takes `operands` (buffer, offset of the tile's first element) and
+    applies it when `finish` holds (after the last slice of the sum)."""
 
     kernel: MicroKernel
     kc: Expr
@@ -135,6 +137,8 @@ class MicroKernelCall:
     accumulate: Expr
     rows: str | None = None
     rows_offset: Expr | None = None
+    operands: tuple[tuple[str, Expr], ...] = ()
+    finish: Expr | None = None
 
 
 Stmt = (Loop | Let | DeclAcc | Assign | DeclArray | ArrayStore | Store | If | MicroKernelCall
@@ -201,6 +205,8 @@ def stmt_exprs(stmt: Stmt) -> list[Expr]:
         return [stmt.cond]
     if isinstance(stmt, MicroKernelCall):
         exprs = [stmt.kc, stmt.a_offset, stmt.b_offset, stmt.c_offset, stmt.accumulate]
+        exprs += [offset for _, offset in stmt.operands]
+        exprs += [stmt.finish] if stmt.finish is not None else []
         return exprs + ([stmt.rows_offset] if stmt.rows_offset is not None else [])
     return []
 
@@ -226,6 +232,9 @@ def map_exprs(body: list[Stmt], fn) -> None:
             stmt.kc, stmt.accumulate = fn(stmt.kc), fn(stmt.accumulate)
             stmt.a_offset, stmt.b_offset = fn(stmt.a_offset), fn(stmt.b_offset)
             stmt.c_offset = fn(stmt.c_offset)
+            stmt.operands = tuple((name, fn(offset)) for name, offset in stmt.operands)
+            if stmt.finish is not None:
+                stmt.finish = fn(stmt.finish)
             if stmt.rows_offset is not None:
                 stmt.rows_offset = fn(stmt.rows_offset)
 

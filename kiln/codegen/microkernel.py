@@ -22,6 +22,8 @@ the register file: accumulators + B vectors + one broadcast ≤ the number of ve
 """
 from __future__ import annotations
 
+import hashlib
+import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -42,6 +44,32 @@ L1_SET_SPAN = 4096
 VECTOR_REGISTERS = {64: 32, 32: 16, 16: 16}
 
 
+# A node of a tile epilogue: ("total",) the tile's sum; ("const", value); ("operand", n) operand
+# n's value at the element; (op, *arguments) for op in TILE_EPILOGUE_OPS.
+EpilogueNode = tuple
+TILE_EPILOGUE_OPS = {"add": 2, "sub": 2, "mul": 2, "div": 2, "neg": 1, "min": 2, "max": 2,
+                     "select": 3, "lt": 2, "le": 2, "gt": 2, "ge": 2, "eq": 2, "ne": 2,
+                     "and": 2, "or": 2, "not": 1}
+_COMPARISONS = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
+_MASK_OPS = {"and": "&", "or": "|"}
+
+
+@dataclass(frozen=True)
+class TileEpilogue:
+    """Call-free math applied to every accumulator in registers before the tile's last store:
+    `value`, a tree of `EpilogueNode`s over the sum and `operands`, each a pointer the kernel
+    takes (`e0`, `e1`, …) at the tile's first element with its (row stride, column stride):
+    (s, 0) one value per row (a bias per output channel), broadcast along it; (0, 1) one per
+    column, loaded as vectors; (0, 0) one value for the tile."""
+
+    value: EpilogueNode
+    operands: tuple[tuple[int, int], ...]
+
+    @property
+    def tag(self) -> str:
+        return hashlib.sha1(repr(self).encode()).hexdigest()[:10]
+
+
 @dataclass(frozen=True)
 class MicroKernel:
     dtype: str  # "float32" or "float64"
@@ -53,6 +81,7 @@ class MicroKernel:
     # 0: A in packed panels; > 0: A row-major, rows `lda` elements apart (a compile-time constant,
     # so every row's broadcast addresses off one pointer)
     lda: int = 0
+    epilogue: TileEpilogue | None = None  # applied in registers when the call says `finish`
 
     @property
     def scalar(self) -> str:
@@ -65,7 +94,8 @@ class MicroKernel:
     @property
     def function(self) -> str:
         kind = (("ind_" if self.indirect else "") + ("loc_" if self.local else "")
-                + (f"a{self.lda}_" if self.lda else ""))
+                + (f"a{self.lda}_" if self.lda else "")
+                + (f"e{self.epilogue.tag}_" if self.epilogue else ""))
         return f"kiln_ukr_{kind}{self.dtype}_{self.mr}x{self.nr}_v{self.vector_bytes}"
 
 
@@ -123,6 +153,9 @@ def vector_extension_source(k: MicroKernel) -> str:
         raise ValueError(f"nr={k.nr} is not a multiple of {k.lanes} lanes")
     vec, vecu = f"{k.function}_v", f"{k.function}_vu"
     rows = "const int32_t *restrict rows" if k.indirect else "int64_t ldb"
+    operands = "".join(f"const {k.scalar} *restrict e{n}, "
+                       for n in range(len(k.epilogue.operands) if k.epilogue else 0))
+    finish = ", int finish" if k.epilogue else ""
     head = [
         f"typedef {k.scalar} {vec} __attribute__((vector_size({k.vector_bytes})));",
         f"typedef {k.scalar} {vecu} __attribute__((vector_size({k.vector_bytes}), aligned({4 if k.dtype == 'float32' else 8})));",
@@ -130,12 +163,13 @@ def vector_extension_source(k: MicroKernel) -> str:
         # an accumulator (a store-to-load round trip per k) and the kernel ran at half speed
         f"static __attribute__((noinline)) void {k.function}(int64_t kc, const {k.scalar} *restrict a, "
         f"const {k.scalar} *restrict b, {rows}, {k.scalar} *restrict c, int64_t ldc, "
-        f"int accumulate) {{",
+        f"int accumulate{', ' if operands else ''}{operands.rstrip(', ')}{finish}) {{",
     ]
-    body = register_tile_body(k, vec, "int64_t",
-                              load=lambda p: f"*(const {vecu} *)({p})",
+    load = lambda p: f"*(const {vecu} *)({p})"  # noqa: E731
+    body = register_tile_body(k, vec, "int64_t", load=load,
                               store=lambda value, p: f"*({vecu} *)({p}) = {value}",
-                              zero=f"({vec}){{0}}", pin=_pinned_in_registers(k))
+                              zero=f"({vec}){{0}}", pin=_pinned_in_registers(k),
+                              finish=_epilogue_lines(k, vec, load) if k.epilogue else None)
     return "\n".join(head + body + ["}"])
 
 
@@ -172,12 +206,14 @@ def _pinned_in_registers(k: MicroKernel) -> Callable[[list[str]], list[str]] | N
 
 def register_tile_body(k: MicroKernel, vec: str, index: str, load: Callable[[str], str],
                        store: Callable[[str, str], str], zero: str,
-                       pin: Callable[[list[str]], list[str]] | None = None) -> list[str]:
+                       pin: Callable[[list[str]], list[str]] | None = None,
+                       finish: list[str] | None = None) -> list[str]:
     """The body of a micro-kernel function over (kc, a, b, ldb, c, ldc, accumulate): `mr` ×
     `nr / lanes` accumulators of the vector type `vec`, loaded (`load(pointer)`) or `zero`, updated
     `kc` times, stored (`store(value, pointer)`). Every backend's micro-kernel shares it; each
     spells its vector type and memory accesses, and `pin` (lines that keep the step's B vectors in
-    registers), if it has one."""
+    registers), if it has one; `finish`: lines run before the store when the call's `finish` is
+    set (the kernel's `TileEpilogue` over the accumulators)."""
     lanes, vectors = k.lanes, k.nr // k.lanes
     acc = [[f"c{r}_{v}" for v in range(vectors)] for r in range(k.mr)]
     lines = [f"  {vec} {acc[r][v]} = accumulate ? {load(f'c + {r} * ldc + {v * lanes}')} : {zero};"
@@ -195,6 +231,80 @@ def register_tile_body(k: MicroKernel, vec: str, index: str, load: Callable[[str
         lines.extend(f"      {acc[r][v]} += a{r} * b{v};" for v in range(vectors))
         lines.append("    }")
     lines.append("  }")
+    if finish:
+        lines += ["  if (finish) {", *finish, "  }"]
     lines += ["  " + store(acc[r][v], f"c + {r} * ldc + {v * lanes}") + ";"
               for r in range(k.mr) for v in range(vectors)]
     return lines
+
+
+def _epilogue_lines(k: MicroKernel, vec: str, load: Callable[[str], str]) -> list[str]:
+    """The kernel's `TileEpilogue` over each accumulator, in GCC vector extensions: comparisons
+    give lane masks (all ones or zeros), a select blends by them bitwise (C has no vector `?:`;
+    GCC makes it one blend instruction), min and max pass a NaN on as the scalar code does."""
+    assert k.epilogue is not None
+    lines: list[str] = []
+    for r in range(k.mr):
+        for v in range(k.nr // k.lanes):
+            names: dict[EpilogueNode, str] = {}
+            lines.append("    {")
+            acc = f"c{r}_{v}"
+            value = _epilogue_node(k, vec, load, k.epilogue.value, (r, v, acc), names, lines)
+            lines += [f"      {acc} = {value};", "    }"]
+    return lines
+
+
+def _epilogue_node(k: MicroKernel, vec: str, load: Callable[[str], str], node: EpilogueNode,
+                   at: tuple[int, int, str], names: dict[EpilogueNode, str],
+                   lines: list[str]) -> str:
+    """The name of a temporary holding `node` for accumulator `at` = (row, vector, name)."""
+    if node in names:
+        return names[node]
+    r, v, acc = at
+    kind = node[0]
+    if kind == "total":
+        return acc
+    if kind == "const":
+        suffix = "f" if k.dtype == "float32" else ""
+        text = f"(({vec}){{0}} + {float(node[1]).hex()}{suffix})"
+    elif kind == "operand":
+        row_stride, col_stride = k.epilogue.operands[node[1]]
+        pointer = f"e{node[1]}"
+        text = (load(f"{pointer} + {v * k.lanes}") if col_stride
+                else f"(({vec}){{0}} + {pointer}[{r * row_stride}])")
+    else:
+        args = [_epilogue_node(k, vec, load, a, at, names, lines) for a in node[1:]]
+        text = _epilogue_op(kind, vec, args)
+    name = f"t{len(names)}"
+    names[node] = name
+    lines.append(f"      const __auto_type {name} = {text};")
+    return name
+
+
+def _epilogue_op(kind: str, vec: str, a: list[str]) -> str:
+    if kind in ("add", "sub", "mul", "div"):
+        return f"({a[0]} {dict(add='+', sub='-', mul='*', div='/')[kind]} {a[1]})"
+    if kind == "neg":
+        return f"(-{a[0]})"
+    if kind in _COMPARISONS:
+        return f"({a[0]} {_COMPARISONS[kind]} {a[1]})"
+    if kind in _MASK_OPS:
+        return f"({a[0]} {_MASK_OPS[kind]} {a[1]})"
+    if kind == "not":
+        return f"(~{a[0]})"
+    if kind in ("min", "max"):  # the scalar code's (a < b || a != a) ? a : b
+        mask = f"(({a[0]} {'<' if kind == 'min' else '>'} {a[1]}) | ({a[0]} != {a[0]}))"
+        return _blend(vec, mask, a[0], a[1])
+    if kind == "select":
+        return _blend(vec, a[0], a[1], a[2])
+    raise ValueError(f"no vector form of {kind}")
+
+
+def _blend(vec: str, mask: str, yes: str, no: str) -> str:
+    bits = f"__typeof__({mask})"
+    return f"(({vec})(({mask} & ({bits}){yes}) | (~{mask} & ({bits}){no})))"
+
+
+def epilogue_constant(value: float) -> bool:
+    """Whether a constant can appear in a tile epilogue (as an exact hexadecimal literal)."""
+    return math.isfinite(value)

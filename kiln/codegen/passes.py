@@ -349,8 +349,11 @@ class _Binder:
             a, b, c = (ref(stmt.a_offset, scope), ref(stmt.b_offset, scope),
                        ref(stmt.c_offset, scope))
             rows = None if stmt.rows_offset is None else ref(stmt.rows_offset, scope)
+            operands = tuple((name, ref(offset, scope)) for name, offset in stmt.operands)
+            finish = None if stmt.finish is None else ref(stmt.finish, scope)
             scope.body.append(replace(stmt, kc=kc, accumulate=accumulate, a_offset=a,
-                                      b_offset=b, c_offset=c, rows_offset=rows))
+                                      b_offset=b, c_offset=c, rows_offset=rows,
+                                      operands=operands, finish=finish))
         else:
             raise TypeError(f"unknown statement {stmt!r}")
 

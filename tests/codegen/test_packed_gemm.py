@@ -206,9 +206,10 @@ def test_weights_times_a_batch_of_rows_is_one_product(tile):
 
 @pytest.mark.parametrize("tile", TILES, ids=lambda t: f"{t[1]}x{t[2]}v{t[0]}")
 def test_whole_tiles_of_a_plain_product_are_stored_by_the_micro_kernel(tile):
-    """Without an epilogue, whole micro-tiles accumulate in the output itself over the slices of
-    the sum (the ragged ones still go through a local tile); with one (a bias) every tile does."""
-    spec = {"a": ((2, 17, 13), "float32")}
+    """Without an epilogue, or with one the micro-kernel applies in registers (a bias), whole
+    micro-tiles accumulate in the output itself over the slices of the sum (the ragged ones still
+    go through a local tile); with one that reads another tensor (a residual) every tile does."""
+    spec = {"a": ((2, 17, 13), "float32"), "r": ((2, 17, 37), "float32")}
     w = np.random.default_rng(8).standard_normal((13, 37)).astype(np.float32)
     bias = np.random.default_rng(9).standard_normal(37).astype(np.float32)
 
@@ -220,7 +221,11 @@ def test_whole_tiles_of_a_plain_product_are_stored_by_the_micro_kernel(tile):
     assert plain["whole_tiles"] == "stored by the micro-kernel"
     biased = packed_stage([helper.make_node("MatMul", ["a", "w"], ["h"]),
                            helper.make_node("Add", ["h", "bias"], ["y"])], {"w": w, "bias": bias})
-    assert "whole_tiles" not in biased
+    assert (biased["whole_tiles"], biased["epilogue"]) == ("stored by the micro-kernel",
+                                                           "in registers")
+    residual = packed_stage([helper.make_node("MatMul", ["a", "w"], ["h"]),
+                             helper.make_node("Add", ["h", "r"], ["y"])], {"w": w})
+    assert "whole_tiles" not in residual
 
 
 @settings(max_examples=6, deadline=None)

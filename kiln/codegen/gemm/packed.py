@@ -28,6 +28,7 @@ from kiln.codegen.indexing import Index
 from kiln.codegen.gemm.blocking import Blocking, blocking, round_up
 from kiln.codegen.microkernel import (
     MicroKernel,
+    TileEpilogue,
     fewer_rows,
     rows_evict_each_other,
     same_work_tiles,
@@ -44,6 +45,7 @@ from kiln.codegen.gemm.packing import (
     scratch_panels,
 )
 from kiln.codegen.gemm.group import group_gemm
+from kiln.codegen.gemm.register_epilogue import register_epilogue
 from kiln.codegen.gemm.spec import Contraction, batch_of, results, stride_of, tile_epilogue
 
 # The most a task copies of B into a local array (a quarter of a 1 MiB L2, as intensive fusion's
@@ -284,11 +286,17 @@ def _tile_update(ctx: StageCtx, spec: Contraction, pr: _Product,
         ctx.info["epilogue"] = "per block"
         return [call], _epilogue(ctx, spec, pr, t, (t.i0, t.j0), (pr.blk.mc, pr.blk.nc))
     # whole micro-tiles update the output itself: no copy through L1
-    buffer, at, ldc = output
     whole = logical_and(index_compare("le", add(t.i, uk.mr), pr.rows),
                         index_compare("le", add(t.j, uk.nr), spec.n))
-    direct = _call(pr, t, b_offset, a_whole, (buffer, at(t.i, t.j), ldc))
+    direct = _call(pr, t, b_offset, a_whole, (output.buffer, output.at(t.i, t.j), output.ldc))
     ctx.info["whole_tiles"] = "stored by the micro-kernel"
+    if output.epilogue is not None:
+        k_blocks = pr.blocks[2]
+        last = (index_compare("eq", t.kb, k_blocks - 1) if k_blocks > 1
+                else const(True, "bool"))
+        direct = replace(direct, kernel=replace(direct.kernel, epilogue=output.epilogue),
+                         operands=output.operands(t.i, t.j), finish=last)
+        ctx.info["epilogue"] = "in registers"
     ragged = [call, _epilogue(ctx, spec, pr, t, (t.i, t.j), (uk.mr, uk.nr))]
     return [ir.If(whole, [direct], ragged)], None
 
@@ -351,21 +359,34 @@ def _folded_epilogue(ctx: StageCtx, spec: Contraction, ldc: int, tile: str,
         ir.Loop(j, j_lo, imin(add(j_lo, nr), iconst(spec.n)), stmts, simd=True)])
 
 
-def _output_rows(ctx: StageCtx, spec: Contraction,
-                 b: Expr | None) -> tuple[str, Callable[[Expr, Expr], Expr], int] | None:
-    """Where a micro-kernel can leave whole tiles itself: when the epilogue only stores each sum,
-    unchanged, into one output whose rows are contiguous, (buffer, offset of (row, column) in
-    batch `b`, row stride); b None: rows run across the batch (a folded product), so one batch's
-    rows must follow the previous one's. None when anything else happens to the results (bias,
-    activation, another layout)."""
+@dataclass(frozen=True)
+class _Direct:
+    """Where a micro-kernel can leave whole tiles itself: the output `buffer`, the offset of
+    (row, column) `at`, its row stride `ldc`; the math the kernel applies in registers first
+    (None: the sums unchanged) and its operands at (row, column)."""
+
+    buffer: str
+    at: Callable[[Expr, Expr], Expr]
+    ldc: int
+    epilogue: TileEpilogue | None
+    operands: Callable[[Expr, Expr], tuple[tuple[str, Expr], ...]]
+
+
+def _output_rows(ctx: StageCtx, spec: Contraction, b: Expr | None) -> _Direct | None:
+    """Where a micro-kernel can leave whole tiles itself: when the epilogue stores each sum, or
+    call-free math of it and of values constant along the tile's rows or columns (a bias, a
+    ReLU, a Clip: `register_epilogue`), into one output whose rows are contiguous, in batch `b`;
+    b None: rows run across the batch (a folded product), so one batch's rows must follow the
+    previous one's. None when anything else happens to the results (another tensor read, a
+    function called, another layout)."""
     batch = ctx.var("pb", math.prod(spec.batch)) if b is None else b
     i, j = ctx.var("i", spec.m), ctx.var("j", spec.n)
     total = array_load(ctx.name("sum"), spec.dtype, iconst(0))
-    stmts = results(ctx, spec, total, batch, i, j)
-    if (len(stmts) != 2 or not isinstance(stmts[0], ir.Let) or stmts[0].value is not total
-            or not isinstance(stmts[1], ir.Store) or stmts[1].value is not stmts[0].local):
+    found = register_epilogue(results(ctx, spec, total, batch, i, j), total, (i, j, batch),
+                              rows_cross_batches=b is None)
+    if found is None:
         return None
-    store = stmts[1]
+    store = found.store
     probe = load(store.buffer, spec.dtype, store.offset)
     row = stride_of(probe, i) if spec.m > 1 else spec.n
     if stride_of(probe, j) != 1 or row is None or row < spec.n:
@@ -373,4 +394,5 @@ def _output_rows(ctx: StageCtx, spec: Contraction,
     if b is None and stride_of(probe, batch) != spec.m * row:
         return None
     fixed = {batch: iconst(0)} if b is None else {}
-    return store.buffer, lambda x, y: substitute(store.offset, {**fixed, i: x, j: y}), row
+    return _Direct(store.buffer, lambda x, y: substitute(store.offset, {**fixed, i: x, j: y}),
+                   row, found.epilogue, lambda x, y: found.operands_at({**fixed, i: x, j: y}))

@@ -171,8 +171,16 @@ class CStyleRenderer:
                     else f"{stmt.rows} + {x(stmt.rows_offset)}")
             return [f"{k.function}({x(stmt.kc)}, {stmt.a} + {x(stmt.a_offset)}, {stmt.b} + "
                     f"{x(stmt.b_offset)}, {rows}, {stmt.c} + {x(stmt.c_offset)}, {stmt.ldc}, "
-                    f"{x(stmt.accumulate)});"]
+                    f"{x(stmt.accumulate)}{self.epilogue_arguments(stmt)});"]
         raise TypeError(f"unknown statement {stmt!r}")
+
+    def epilogue_arguments(self, stmt: ir.MicroKernelCall) -> str:
+        """The pointers and the finish flag a kernel with a tile epilogue takes after the rest."""
+        if stmt.kernel.epilogue is None:
+            return ""
+        assert stmt.finish is not None
+        pointers = "".join(f", {name} + {self.expr(offset)}" for name, offset in stmt.operands)
+        return f"{pointers}, {self.expr(stmt.finish)}"
 
     def loop(self, loop: ir.Loop) -> list[str]:
         v = loop.var.name
