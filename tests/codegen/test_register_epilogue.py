@@ -192,7 +192,8 @@ def test_epilogue_kernel_computes_what_its_tree_says(tmp_path):
     a = rng.standard_normal((kc, 6)).astype(np.float32)  # packed panel: a[k·mr + r]
     b = rng.standard_normal((kc, 16)).astype(np.float32)
     b[3, 5] = np.nan  # max passes a NaN on, as the scalar code does
-    rows, cols = rng.standard_normal(6).astype(np.float32), rng.standard_normal(16).astype(np.float32)
+    rows = rng.standard_normal(6).astype(np.float32)
+    cols = rng.standard_normal(16).astype(np.float32)
     scale = np.array([0.5], np.float32)
     total = a.T @ b
     with np.errstate(invalid="ignore"):

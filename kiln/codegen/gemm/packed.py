@@ -245,10 +245,13 @@ def _tile_update(ctx: StageCtx, spec: Contraction, pr: _Product,
     """One micro-tile's update, with its epilogue when the micro-kernel can store whole tiles
     itself (only the ragged tiles go through the local array): a plain product, or one whose
     epilogue is call-free math of the sum and of values constant along the tile's rows or
-    columns, which the kernel applies in registers after the last slice of the sum (bias and
-    ReLU6 on a 1 × 1 conv of 16 to 96 channels at 112 × 112: 0.87× the CPU time of the block's
-    pass on Zen 3; bias and ReLU at 56 × 56, 0.87–0.95×; a BERT QKV product's bias, 0.92×); and
-    the epilogue of the whole block otherwise.
+    columns, which the kernel applies in registers after the last slice of the sum (no pass
+    over the block: on a loaded Zen 3 with 2 threads, medians of interleaved runs, bias and
+    ReLU6 on a 1 × 1 conv of 16 to 96 channels at 112 × 112 took 0.77–0.90× the CPU time; bias
+    and ReLU at 56 × 56, 0.67–0.95× from 256 channels, 0.84–1.03× from 64; a BERT QKV product's
+    bias 0.75–0.94×; on one thread within ±6%); and the epilogue of the whole block otherwise.
+    (A SiLU in registers, its exp as vectors, took 0.88–1.27× the time of the block's pass:
+    it stays there.)
 
     The block's epilogue runs once all its micro-tiles are done, along whole rows of the block:
     per micro-tile it would store (and read any other tensor it adds, a residual) in `mr` runs
