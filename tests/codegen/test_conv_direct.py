@@ -154,6 +154,31 @@ def test_stem_onto_64_channels_runs_with_a_tile_of_whole_channels():
     assert "4x24" in tiles
 
 
+def test_tasks_copy_their_windows_of_the_input():
+    """A grouped stride-2 3 × 3 conv (2 images, 2 groups of 64 channels, a ReLU read as its
+    prologue) has each task copy the window of the input it reads: the grid rows of its pixels
+    and the taps' reach, per slice of the sum; on a 56 × 56 image at stride 1 the tasks would
+    copy more than twice the input (rows next to each task's 4.5 grid rows), so one stage
+    copies it. Both match onnxruntime."""
+    rng = np.random.default_rng(16)
+    for (height, width), stride, copied_by in (((40, 38), 2, "by the tasks"), ((56, 56), 1, None)):
+        spec = {"x": ((2 if stride == 2 else 1, 128, height, width), "float32")}
+        inits = {"w": rng.standard_normal((128, 64, 3, 3)).astype(np.float32),
+                 "b": rng.standard_normal(128).astype(np.float32)}
+        onnx_model = model([
+            helper.make_node("Relu", ["x"], ["r"]),
+            helper.make_node("Conv", ["r", "w", "b"], ["y"], kernel_shape=[3, 3],
+                             pads=[1, 0, 2, 1], strides=[stride, stride], group=2)],
+            spec, ["y"], inits)
+        check_model(onnx_model, random_inputs(spec), partitioners=("none", "dnnfusion"))
+        graph = frontend.build(onnx_model, {}, "test")
+        copies = [info.get("input_copy")
+                  for kernel in generate(plan_for(graph, "none"), target("x86_64"))
+                  for info in kernel.schedule.get("stages", [])
+                  if info.get("form") == "direct GEMM"]
+        assert copies == [copied_by]
+
+
 @st.composite
 def pixel_rows_cases(draw):
     """Convs with few output pixels and many output channels per group (a late stage's 7 × 7

@@ -204,18 +204,19 @@ def direct_conv(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: ConvOpe
 
     bt = batch * group
     blk = blocking(mg, pixels, k_total, bt, uk, s.gemm_mc, s.gemm_nc, s.gemm_kc)
+    row_blocks, col_blocks = -(-mg // blk.mc), -(-pixels // blk.nc)
+    k_blocks = -(-k_total // blk.kc)
+    tasks = bt * row_blocks * col_blocks
     window = _task_window(ctx.name("xw"), w, grid, blk, taps, k_total)
-    itemsize = np.dtype(dtype).itemsize
-    by_tasks = window.elements * itemsize <= TASK_COPY_BYTES
+    by_tasks = (window.elements * np.dtype(dtype).itemsize <= TASK_COPY_BYTES
+                and tasks * k_blocks * window.channels * window.channel_stride
+                <= TASK_COPY_SHARE * bt * cg * grid.channel_stride)
     if by_tasks:
         copy, segment, offsets = window.name, 0, window.row_offsets
     else:
         copy, segment = _copy_input(ctx, w, grid, ops, in_shape, group, dtype), grid.segment
         offsets = row_offsets
     rows = ctx.derived(offsets)
-    row_blocks, col_blocks = -(-mg // blk.mc), -(-pixels // blk.nc)
-    k_blocks = -(-k_total // blk.kc)
-    tasks = bt * row_blocks * col_blocks
     p = ctx.var("p", tasks)
     b, rb, cb = Index((bt, row_blocks, col_blocks), flat=p).dims
     i0, j0 = mul(rb, blk.mc), mul(cb, blk.nc)
@@ -267,6 +268,15 @@ def direct_conv(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: ConvOpe
               bt * mg * pixels * k_total)
     ctx.info.update(form="direct GEMM", micro_kernel=f"{uk.mr}x{uk.nr}", mc=blk.mc, nc=blk.nc,
                     kc=blk.kc, tasks=tasks, grid=f"{len(grid.phases)}x{grid.hq}x{grid.wq}")
+
+
+# The tasks copy their windows of the input themselves while that copies at most this many times
+# the elements of one copy of the whole input (rows of the grid next to a task's pixels are
+# copied again, and each block of output channels copies its window again): on Zen 3 grouped
+# 3 × 3 convs took 0.8–0.96× the time at 1.2–1.9 times the elements (stride 2 from 112 × 112,
+# 56 × 56, 28 × 28 and 14 × 14; stride 1 on 28 × 28 and 14 × 14); 1.0–1.2× at 2.1 (stride 1 on
+# 56 × 56) and 1.0–1.07× at 3.2 and 5.1 (ResNet-50's stride-2 convs, 2 and 3 blocks of rows).
+TASK_COPY_SHARE = 2
 
 
 @dataclass(frozen=True)
