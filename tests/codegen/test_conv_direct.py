@@ -12,7 +12,7 @@ from kiln import frontend
 from kiln.codegen import generate
 from kiln.codegen.gemm.blocking import round_up
 from kiln.codegen.microkernel import VECTOR_REGISTERS, tile_for
-from kiln.codegen.ops.conv_direct import direct_columns, direct_tile
+from kiln.codegen.ops.conv_direct import _phase_grid, computed_columns, direct_tile
 from kiln.codegen.ops.conv_window import Window
 from kiln.target import Target, host_target, target
 from tests.codegen.harness import check_model, model, plan_for, random_inputs
@@ -104,8 +104,35 @@ def test_direct_tile_does_no_more_work_than_the_targets(isa, channels_out, attrs
     assert uk.mr + vectors <= base.mr + base_vectors
     assert uk.mr * vectors + vectors + 1 <= max(VECTOR_REGISTERS[base.vector_bytes],
                                                base.mr * base_vectors + base_vectors + 1)
-    assert (round_up(channels_out, uk.mr) * direct_columns(w, uk.nr)
-            <= round_up(channels_out, base.mr) * direct_columns(w, base.nr))
+    grid, _ = _phase_grid(w, 1, 1)
+    pixels = w.out_size[0] * grid.wq
+    assert (round_up(channels_out, uk.mr) * computed_columns(pixels, uk.nr, uk.lanes)
+            <= round_up(channels_out, base.mr) * computed_columns(pixels, base.nr, base.lanes))
+
+
+def test_grouped_conv_with_a_partial_last_panel_runs_a_narrower_kernel():
+    """Grouped 3 × 3 convs (64 channels per group, RegNet's width) in AVX2's 4 × 24 tiles (64
+    rows, none padded, where 6 × 16 would compute 66): a 14 × 14 output's phase grid holds
+    14 × 16 = 224 pixels, nine panels of 24 and 8 more, which run a kernel of one vector
+    (4 × 8), not a tenth whole panel; so do stride 2 onto 7 × 7 (grid 7 × 8: 56 pixels) and
+    11 × 14 (11 × 16); 12 × 12 (12 × 14 = 168, seven panels) needs no narrower kernel. All
+    match onnxruntime."""
+    rng = np.random.default_rng(15)
+    for (height, width), stride, edge in (((14, 14), 1, "4x8"), ((13, 13), 2, "4x8"),
+                                          ((11, 14), 1, "4x8"), ((12, 12), 1, None)):
+        spec = {"x": ((1, 128, height, width), "float32")}
+        inits = {"w": rng.standard_normal((128, 64, 3, 3)).astype(np.float32),
+                 "b": rng.standard_normal(128).astype(np.float32)}
+        onnx_model = model([
+            helper.make_node("Conv", ["x", "w", "b"], ["c"], kernel_shape=[3, 3],
+                             pads=[1, 1, 1, 1], strides=[stride, stride], group=2),
+            helper.make_node("Relu", ["c"], ["y"])], spec, ["y"], inits)
+        check_model(onnx_model, random_inputs(spec), partitioners=("none", "dnnfusion"))
+        graph = frontend.build(onnx_model, {}, "test")
+        edges = [info.get("column_edge_kernel")
+                 for kernel in generate(plan_for(graph, "none"), target("x86_64"))
+                 for info in kernel.schedule.get("stages", []) if info.get("form") == "direct GEMM"]
+        assert edges == [edge]
 
 
 def test_stem_onto_64_channels_runs_with_a_tile_of_whole_channels():
@@ -125,6 +152,31 @@ def test_stem_onto_64_channels_runs_with_a_tile_of_whole_channels():
                                                              target("x86_64"))
              for info in kernel.schedule.get("stages", [])]
     assert "4x24" in tiles
+
+
+def test_tasks_copy_their_windows_of_the_input():
+    """A grouped stride-2 3 × 3 conv (2 images, 2 groups of 64 channels, a ReLU read as its
+    prologue) has each task copy the window of the input it reads: the grid rows of its pixels
+    and the taps' reach, per slice of the sum; on a 56 × 56 image at stride 1 the tasks would
+    copy more than twice the input (rows next to each task's 4.5 grid rows), so one stage
+    copies it. Both match onnxruntime."""
+    rng = np.random.default_rng(16)
+    for (height, width), stride, copied_by in (((40, 38), 2, "by the tasks"), ((56, 56), 1, None)):
+        spec = {"x": ((2 if stride == 2 else 1, 128, height, width), "float32")}
+        inits = {"w": rng.standard_normal((128, 64, 3, 3)).astype(np.float32),
+                 "b": rng.standard_normal(128).astype(np.float32)}
+        onnx_model = model([
+            helper.make_node("Relu", ["x"], ["r"]),
+            helper.make_node("Conv", ["r", "w", "b"], ["y"], kernel_shape=[3, 3],
+                             pads=[1, 0, 2, 1], strides=[stride, stride], group=2)],
+            spec, ["y"], inits)
+        check_model(onnx_model, random_inputs(spec), partitioners=("none", "dnnfusion"))
+        graph = frontend.build(onnx_model, {}, "test")
+        copies = [info.get("input_copy")
+                  for kernel in generate(plan_for(graph, "none"), target("x86_64"))
+                  for info in kernel.schedule.get("stages", [])
+                  if info.get("form") == "direct GEMM"]
+        assert copies == [copied_by]
 
 
 @st.composite

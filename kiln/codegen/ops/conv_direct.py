@@ -10,14 +10,22 @@ at a compile-time offset: the packed weights are the A panels, and the indirect 
 (`kiln.codegen.microkernel`) reads B row k at `copy + rows[k]` straight from the padded input.
 
 The columns ox ≥ ow of each grid row are computed and dropped (wq − ow of them per row: a few per
-cent at 56 × 56, more on 7 × 7 images); each finished cache block's valid pixels go through the
-fused epilogue from L2, one output row at a time. The copy is about the input's size (im2col's is
-kh·kw times it), and its loop evaluates a fused input prologue once per element.
+cent at 56 × 56, more on 7 × 7 images); the last, partial panel of pixels runs a kernel of just
+its vectors. Each finished cache block's valid pixels go through the fused epilogue from L2, one
+output row at a time. The copy is about the input's size (im2col's is kh·kw times it), and its
+loop evaluates a fused input prologue once per element.
+
+Each task copies the window of the grid it reads itself, per slice of the sum (the slice's
+channels, the grid rows of its pixels and the taps' reach below them), into a local array, when
+that fits `TASK_COPY_BYTES`: a stage copying the whole input first leaves a large image's copy in
+memory (a stride-2 conv from 112 × 112 × 128: 6.6 MB), and its B rows, each a stream of its own
+(channels × phases × rows of the taps), miss the caches there. On Zen 3 that conv (2 groups of
+64) took 0.8× the time with the tasks' copies; a halo of rows is copied twice.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -42,8 +50,8 @@ from kiln.codegen.expr import (
     sub,
     walk,
 )
-from kiln.codegen.gemm.blocking import blocking, round_up
-from kiln.codegen.gemm.packed import micro_kernel
+from kiln.codegen.gemm.blocking import Blocking, blocking, round_up
+from kiln.codegen.gemm.packed import TASK_COPY_BYTES, micro_kernel
 from kiln.codegen.gemm.packing import OperandSide, constant_panels, scratch_panels
 from kiln.codegen.gemm.spec import BOperand, Contraction, batch_of
 from kiln.codegen.indexing import Index
@@ -68,14 +76,16 @@ class PhaseGrid:
         return len(self.phases) * self.hq * self.wq
 
 
-def _phase_grid(w: Window, channels: int, nr: int) -> tuple[PhaseGrid, np.ndarray]:
+def _phase_grid(w: Window, channels: int, nr: int, plane_rows: int = 0
+                ) -> tuple[PhaseGrid, np.ndarray]:
     """The copy's layout and the row-offset table: offset of (c, ky, kx), flattened like the
-    weights' (c, ky, kx), plus the pixel j it is added to."""
+    weights' (c, ky, kx), plus the pixel j it is added to. `plane_rows`: planes of so many grid
+    rows (a task's window of the grid) instead of the whole grid's."""
     (oh, ow), (kh, kw) = w.out_size, w.kernel
     (sh, sw), (dh, dw) = w.strides, w.dilations
     rows_needed = (oh - 1) * sh + (kh - 1) * dh + 1
     cols_needed = (ow - 1) * sw + (kw - 1) * dw + 1
-    hq, wq = -(-rows_needed // sh), -(-cols_needed // sw)
+    hq, wq = plane_rows or -(-rows_needed // sh), -(-cols_needed // sw)
     taps = [(ky, kx) for ky in range(kh) for kx in range(kw)]
     phases = tuple(sorted({((ky * dh) % sh, (kx * dw) % sw) for ky, kx in taps}))
     plane = hq * wq
@@ -95,16 +105,25 @@ def direct_columns(w: Window, nr: int) -> int:
     return round_up(w.out_size[0] * grid.wq, nr)
 
 
+def computed_columns(n: int, nr: int, lanes: int) -> int:
+    """The columns `n` pixels cost in panels of `nr`: the last, partial panel runs a kernel of
+    just its vectors."""
+    return n // nr * nr + round_up(n % nr, lanes)
+
+
 def direct_tile(base: MicroKernel, w: Window, channels_out: int) -> MicroKernel:
     """The indirect micro-kernel's shape. Of the tiles with as many accumulators as the target's
     `base` tile (as many FMAs per step of the sum), no more loads per step (`mr` broadcasts and
     `nr / lanes` vectors: the FMAs stay the bound) and room in the register file, the one whose
-    whole tiles hold the fewest products: the output channels rounded up to `mr`, the phase
-    grid's columns (`direct_columns`) to `nr`. On a stem's 64 output channels 12 rows waste an
-    eighth of the work, 8 rows none. Ties go to `base` (6 × 64 measured no faster than 12 × 32
-    on as many products)."""
+    tiles hold the fewest products: the output channels rounded up to `mr`, the phase grid's
+    pixels to `nr`, the last panel's to whole vectors (`computed_columns`). On a stem's 64
+    output channels 12 rows waste an eighth of the work, 8 rows none. Ties go to `base` (6 × 64
+    measured no faster than 12 × 32 on as many products)."""
+    grid, _ = _phase_grid(w, 1, 1)
+    pixels = w.out_size[0] * grid.wq
     mr, nr = min(same_work_tiles(base),
-                 key=lambda t: (round_up(channels_out, t[0]) * direct_columns(w, t[1]),
+                 key=lambda t: (round_up(channels_out, t[0])
+                                * computed_columns(pixels, t[1], base.lanes),
                                 t != (base.mr, base.nr)))
     return MicroKernel(base.dtype, mr, nr, base.vector_bytes, indirect=True)
 
@@ -182,14 +201,22 @@ def direct_conv(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: ConvOpe
                        lambda total, b, i, j: total, dtype)
     side = OperandSide("a", a_at, (group,), mg)
     packed_a = constant_panels(ctx, spec, side, uk.mr) or scratch_panels(ctx, spec, side, uk.mr)
-    copy = _copy_input(ctx, w, grid, ops, in_shape, group, dtype)
-    rows = ctx.derived(row_offsets)
 
     bt = batch * group
     blk = blocking(mg, pixels, k_total, bt, uk, s.gemm_mc, s.gemm_nc, s.gemm_kc)
     row_blocks, col_blocks = -(-mg // blk.mc), -(-pixels // blk.nc)
     k_blocks = -(-k_total // blk.kc)
     tasks = bt * row_blocks * col_blocks
+    window = _task_window(ctx.name("xw"), w, grid, blk, taps, k_total)
+    by_tasks = (window.elements * np.dtype(dtype).itemsize <= TASK_COPY_BYTES
+                and tasks * k_blocks * window.channels * window.channel_stride
+                <= TASK_COPY_SHARE * bt * cg * grid.channel_stride)
+    if by_tasks:
+        copy, segment, offsets = window.name, 0, window.row_offsets
+    else:
+        copy, segment = _copy_input(ctx, w, grid, ops, in_shape, group, dtype), grid.segment
+        offsets = row_offsets
+    rows = ctx.derived(offsets)
     p = ctx.var("p", tasks)
     b, rb, cb = Index((bt, row_blocks, col_blocks), flat=p).dims
     i0, j0 = mul(rb, blk.mc), mul(cb, blk.nc)
@@ -202,26 +229,125 @@ def direct_conv(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: ConvOpe
           else imin(iconst(blk.kc), sub(iconst(k_total), k0)))
     ip, jp = ctx.var("ip", blk.mc // uk.mr), ctx.var("jp", blk.nc // uk.nr)
     i_lo, j_lo = add(i0, mul(ip, uk.mr)), add(j0, mul(jp, uk.nr))
-    call = ir.MicroKernelCall(
-        uk, kc, packed_a.buffer, packed_a.offset(batch_of(spec, b, (group,)).flat, k0, i_lo),
-        copy, add(mul(b, grid.segment), j_lo), 0, tile,
-        add(mul(ip, uk.mr * blk.nc), mul(jp, uk.nr)), blk.nc,
-        index_compare("gt", kb, 0) if k_blocks > 1 else const(False, BOOL), rows, k0)
+    first_row = floordiv(j0, grid.wq)  # of the grid, in the task's window
+    b_at = sub(j_lo, mul(first_row, grid.wq)) if by_tasks else add(mul(b, segment), j_lo)
+
+    def call(kernel: MicroKernel) -> ir.MicroKernelCall:
+        return ir.MicroKernelCall(
+            kernel, kc, packed_a.buffer,
+            packed_a.offset(batch_of(spec, b, (group,)).flat, k0, i_lo),
+            copy, b_at, 0, tile,
+            add(mul(ip, uk.mr * blk.nc), mul(jp, uk.nr)), blk.nc,
+            index_compare("gt", kb, 0) if k_blocks > 1 else const(False, BOOL), rows, k0)
+
+    # the last, partial panel of pixels runs a kernel of just its vectors
+    full = oh * grid.wq // uk.nr * uk.nr
+    edge = (computed_columns(oh * grid.wq, uk.nr, uk.lanes) - full) % uk.nr
+    update: ir.Stmt = call(uk)
+    if edge:
+        update = ir.If(index_compare("lt", j_lo, full), [update], [call(replace(uk, nr=edge))])
+        ctx.info["column_edge_kernel"] = f"{uk.mr}x{edge}"
     # the epilogue runs once per block, not per micro-tile: a micro-tile's nr pixels are split
     # across output rows into runs too short for a vector loop (a SiLU's exp ran in scalar code)
     epilogue = _epilogue(ctx, w, grid, ops, tile, blk.nc, (b, i0, j0),
                          (mul(row_panels, uk.mr), mul(col_panels, uk.nr)), mg, group)
     if k_blocks > 1:
         epilogue = ir.If(index_compare("eq", kb, k_blocks - 1), [epilogue])
-    compute = ir.Loop(jp, iconst(0), col_panels, [ir.Loop(ip, iconst(0), row_panels, [call])])
-    body = [ir.DeclArray(tile, dtype, blk.mc * blk.nc),
-            ir.Loop(kb, iconst(0), iconst(k_blocks), [compute, epilogue])]
+    compute = ir.Loop(jp, iconst(0), col_panels, [ir.Loop(ip, iconst(0), row_panels, [update])])
+    per_slice: list[ir.Stmt] = [compute, epilogue]
+    body: list[ir.Stmt] = [ir.DeclArray(tile, dtype, blk.mc * blk.nc)]
+    if by_tasks:
+        body.append(ir.DeclArray(copy, dtype, window.elements))
+        per_slice[:0] = _copy_window(ctx, w, grid, window, ops, in_shape, group, dtype,
+                                     (b, first_row, k0), (blk.kc, k_total, taps))
+        ctx.info["input_copy"] = "by the tasks"
+    body.append(ir.Loop(kb, iconst(0), iconst(k_blocks), per_slice))
     ctx.stage(f"conv ({ctx.op.id}), direct over the padded input",
               [ir.Loop(p, iconst(0), iconst(tasks), body, parallel=1,
                        grain="one" if s.gemm_omp_schedule == "dynamic" else "even")],
               bt * mg * pixels * k_total)
     ctx.info.update(form="direct GEMM", micro_kernel=f"{uk.mr}x{uk.nr}", mc=blk.mc, nc=blk.nc,
                     kc=blk.kc, tasks=tasks, grid=f"{len(grid.phases)}x{grid.hq}x{grid.wq}")
+
+
+# The tasks copy their windows of the input themselves while that copies at most this many times
+# the elements of one copy of the whole input (rows of the grid next to a task's pixels are
+# copied again, and each block of output channels copies its window again): on Zen 3 grouped
+# 3 × 3 convs took 0.8–0.96× the time at 1.2–1.9 times the elements (stride 2 from 112 × 112,
+# 56 × 56, 28 × 28 and 14 × 14; stride 1 on 28 × 28 and 14 × 14); 1.0–1.2× at 2.1 (stride 1 on
+# 56 × 56) and 1.0–1.07× at 3.2 and 5.1 (ResNet-50's stride-2 convs, 2 and 3 blocks of rows).
+TASK_COPY_SHARE = 2
+
+
+@dataclass(frozen=True)
+class TaskWindow:
+    """A task's copy of the padded, phase-split input: for each slice of the sum, the channels
+    its rows read, each as planes of the `plane_rows` grid rows from the task's first one (all
+    its pixels read), in the layout of `PhaseGrid`; row offsets relative to the slice's first
+    channel."""
+
+    name: str
+    plane_rows: int
+    channels: int  # the most channels a slice of the sum reads
+    channel_stride: int
+    elements: int
+    row_offsets: np.ndarray
+
+
+def _task_window(name: str, w: Window, grid: PhaseGrid, blk: Blocking, taps: int,
+                 k_total: int) -> TaskWindow:
+    """The window of the copy a task of `blk.nc` grid pixels reads per slice of `blk.kc`: from
+    pixel j0 − (j0 mod wq) of its first grid row, up to nc + wq pixels plus the taps' largest
+    row shift (and a column shift under wq) below. A row of B past a plane's end reads the next
+    plane (or the tail) only for pixels dropped from the output."""
+    (kh, _), (sh, _), (dh, _) = w.kernel, w.strides, w.dilations
+    wq = grid.wq
+    plane_rows = (blk.nc + 2 * wq - 2) // wq + (kh - 1) * dh // sh + 1
+    window, offsets = _phase_grid(w, grid.channels, 1, plane_rows)
+    slices = range(0, k_total, blk.kc)
+    first = np.array([k0 // taps for k0 in slices])
+    channels = max((min(k_total, k0 + blk.kc) - 1) // taps - k0 // taps + 1 for k0 in slices)
+    relative = offsets - np.repeat(first, blk.kc)[:k_total] * window.channel_stride
+    elements = channels * window.channel_stride + blk.nc + wq
+    return TaskWindow(name, plane_rows, channels, window.channel_stride, elements,
+                      relative.astype(np.int32))
+
+
+def _copy_window(ctx: StageCtx, w: Window, grid: PhaseGrid, window: TaskWindow,
+                 ops: ConvOperands, in_shape: tuple[int, ...], group: int, dtype: str,
+                 at: tuple[Expr, Expr, Expr], sum_slices: tuple[int, int, int]) -> list[ir.Stmt]:
+    """The loops that fill a task's window (`_task_window`) for the slice of the sum from k0:
+    `at` = (image·group, first grid row, k0), `sum_slices` = (kc, K, taps)."""
+    b, first_row, k0 = at
+    kc, k_total, taps = sum_slices
+    batch, channels = in_shape[:2]
+    n, g = floordiv(b, group), sub(b, mul(floordiv(b, group), group))
+    (sh, sw), (ph, pw), (ih, iw) = w.strides, w.pad_begin, w.in_size
+    c0 = floordiv(k0, taps)
+    count = sub(add(floordiv(sub(imin(iconst(k_total), add(k0, kc)), 1), taps), 1), c0)
+    c = ctx.var("c", window.channels)
+    r = ctx.var("r", window.plane_rows)
+    stores: list[ir.Stmt] = []
+    for p, (py, px) in enumerate(grid.phases):
+        u = ctx.var("u", grid.wq)
+        y, x = sub(add(mul(add(first_row, r), sh), py), ph), sub(add(mul(u, sw), px), pw)
+        inside = logical_and(logical_and(index_compare("ge", y, 0), index_compare("lt", y, ih)),
+                             logical_and(index_compare("ge", x, 0), index_compare("lt", x, iw)))
+        value = ops.once(Index((batch, channels, ih, iw),
+                               dims=[n, add(mul(g, grid.channels), c0, c), clamp(y, 0, ih - 1),
+                                     clamp(x, 0, iw - 1)]))
+        slot = add(mul(add(mul(add(mul(c, len(grid.phases)), p), window.plane_rows), r),
+                       grid.wq), u)
+        stores.append(ir.Loop(u, iconst(0), iconst(grid.wq),
+                              [ir.ArrayStore(window.name, slot,
+                                             select(inside, value, const(0, dtype)))],
+                              simd=True))
+    # past the slice's channels, zeros: the dropped pixels' reads stay finite
+    t = ctx.var("t", window.elements)
+    tail = ir.Loop(t, mul(count, window.channel_stride), iconst(window.elements),
+                   [ir.ArrayStore(window.name, t, const(0, dtype))], simd=True)
+    return [ir.Loop(c, iconst(0), count, [ir.Loop(r, iconst(0), iconst(window.plane_rows),
+                                                  stores)]), tail]
 
 
 def _epilogue(ctx: StageCtx, w: Window, grid: PhaseGrid, ops: ConvOperands, tile: str,
