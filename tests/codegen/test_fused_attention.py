@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from kiln import frontend
 from kiln.codegen import generate
-from kiln.codegen.ops.fused_attention import micro_kernel_for, panel_rows, tile_columns
+from kiln.codegen.microkernel import MicroKernel
+from kiln.codegen.ops.fused_attention import micro_kernel_for, panel_rows, row_tiling, tile_columns
 from kiln.codegen.schedule import Schedule
 from kiln.plan.chains import attention_chains
 from bench.attention import ADDITIVE, BIAS, BOOLEAN, CAUSAL, attention_model
@@ -111,6 +112,29 @@ def test_panel_rows_trades_padding_against_panels(extent, rows):
 ])
 def test_tile_columns_pad_least(m, most, columns):
     assert tile_columns(m, most, 16) == columns
+
+
+@pytest.mark.parametrize(("m", "keys", "tiling"), [
+    (197, 198, (13, 16, 16, 16)),  # ViT: 13 tiles at 6x16, not 5 of 40 at 6x8 (1.75x slower)
+    (128, 132, (4, 32, 32, 16)),  # BERT: unchanged
+    (49, 50, (1, 49, 64, 16)),  # Swin windows: one tile
+    (1, 17, (1, 1, 16, 16)),
+])
+def test_row_tiling_runs_whole_micro_tiles(m, keys, tiling):
+    """(tiles, rows, rows_pad, nr) on AVX2's 6x16 micro-kernel, 12 heads."""
+    assert row_tiling(m, keys * 4, 12, MicroKernel("float32", 6, 16, 32)) == tiling
+
+
+@pytest.mark.parametrize("nr", [16, 24, 32])
+def test_row_tiling_computes_no_more_than_one_vector_tiles(nr):
+    """Padded columns over the micro-tile's vectors never exceed those of one-vector tiles, and
+    the tiles cover the rows."""
+    uk = MicroKernel("float32", 4, nr, 32)
+    for m in range(1, 300, 7):
+        tiles, rows, rows_pad, tile_nr = row_tiling(m, 400, 1, uk)
+        assert tiles * rows >= m and rows_pad % tile_nr == 0 and tile_nr in (8, nr)
+        one_vector = row_tiling(m, 400, 1, MicroKernel("float32", 4, 8, 32))
+        assert tiles * rows_pad * nr / tile_nr <= one_vector[0] * one_vector[2] * nr / 8
 
 
 @pytest.mark.parametrize("step", [8, 16])
