@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from dataclasses import fields
 
+import numpy as np
 import pytest
+from onnx import helper
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -159,5 +161,36 @@ def test_a_chain_whose_scores_are_read_elsewhere_is_no_chain(also_read):
     plan = plan_for(graph, "dnnfusion")
     kernels = generate(plan, host_target())
     assert fused_stages(kernels) == []
+    values = run_kernels(plan, kernels, dict(zip(graph.inputs, inputs.values())))
+    assert_matches([values[t] for t in graph.outputs], reference(onnx_model, inputs))
+
+
+def test_a_bias_computed_per_call_is_copied_in_parallel():
+    """BEiT: a relative-position bias made at run time with the heads innermost ([Lq, Lk, H],
+    transposed to [1, H, Lq, Lk]) and added to the scores, eight heads (one group of row tiles per
+    head): the copy in loop order runs on every thread (its outermost loop over the single group
+    once fell away with the parallel flag), and the result matches onnxruntime."""
+    from tests.codegen.harness import model, random_inputs
+    heads, length, size = 8, 197, 16
+    spec = {"q": ((1, heads, length, size), "float32"), "kt": ((1, heads, size, length), "float32"),
+            "v": ((1, heads, length, size), "float32"),
+            "table": ((length, length, heads), "float32")}
+    nodes = [helper.make_node("MatMul", ["q", "kt"], ["s"]),
+             helper.make_node("Mul", ["s", "scale"], ["scaled"]),
+             helper.make_node("Relu", ["table"], ["rpb"]),  # computed at run time
+             helper.make_node("Transpose", ["rpb"], ["bias3"], perm=[2, 0, 1]),
+             helper.make_node("Unsqueeze", ["bias3", "zero"], ["bias"]),
+             helper.make_node("Add", ["scaled", "bias"], ["biased"]),
+             helper.make_node("Softmax", ["biased"], ["p"], axis=-1),
+             helper.make_node("MatMul", ["p", "v"], ["y"])]
+    onnx_model = model(nodes, spec, ["y"], {"scale": np.array(0.25, np.float32),
+                                            "zero": np.array([0], np.int64)})
+    inputs = random_inputs(spec)
+    graph = frontend.build(onnx_model, {}, "attention")
+    kernels = generate(plan := plan_for(graph, "dnnfusion"), host_target())
+    fused = [k for k in kernels if fused_stages([k])]
+    assert len(fused) == 1
+    copy = fused[0].source.split("in the loop order of the scores */", 1)[1]
+    assert copy.lstrip(" {\n").startswith("#pragma omp parallel"), copy[:300]
     values = run_kernels(plan, kernels, dict(zip(graph.inputs, inputs.values())))
     assert_matches([values[t] for t in graph.outputs], reference(onnx_model, inputs))

@@ -378,10 +378,12 @@ def _copy_in_loop_order(ctx: StageCtx, node: Expr, used: list[Expr], extents: li
     body: list[ir.Stmt] = [ir.Store(name, linearize(fresh, tuple(extents)),
                                     load(node.name, node.dtype,
                                          substitute(offset, dict(zip(used, fresh)))))]
+    # the parallel loop is the outermost that runs more than once (a loop of one iteration, a
+    # single group of row tiles, is dropped with its flag)
+    outermost = next((a for a in order if extents[a] > 1), order[0])
     for position, a in enumerate(reversed(order)):
-        innermost, outermost = position == 0, position == len(order) - 1
-        body = [ir.Loop(fresh[a], iconst(0), iconst(extents[a]), body, simd=innermost,
-                        parallel=1 if outermost else 0, grain="chunks")]
+        body = [ir.Loop(fresh[a], iconst(0), iconst(extents[a]), body, simd=position == 0,
+                        parallel=1 if a == outermost else 0, grain="chunks")]
     ctx.stage(f"{node.name} in the loop order of the scores", body, math.prod(extents))
     return name
 
