@@ -11,7 +11,8 @@ special values, boundaries, denormals and a sweep of every 251st bit pattern):
 
 * exp: Cody–Waite reduction by ln 2, Cephes' degree-6 polynomial; overflow to +inf above
   88.72, gradual underflow to denormals and 0 below -87.3 (the scale is applied as two halves so
-  that 2^n never leaves the normal range); at most 2 ulp.
+  that 2^n never leaves the normal range); at most 2 ulp. Inputs whose result is 0 or +inf
+  outright (a softmax's masked scores) take it by a select, never by an underflow.
 * log: mantissa reduced to [√½, √2) from the bits (denormals scaled first), Cephes' polynomial;
   log(±0) = -inf, log(x<0) = NaN, log(+inf) = +inf; at most 2 ulp.
 * log1p: log(u)·x/(u-1) with u = 1+x (Goldberg's trick), exact for tiny x; at most 3 ulp.
@@ -57,11 +58,13 @@ _BITS = f"""{_INLINE} int32_t kiln_f2i(float f) {{ int32_t i; memcpy(&i, &f, 4);
   return kiln_i2d(kiln_seli64(cond, kiln_d2i(a), kiln_d2i(b))); }}"""
 
 _EXPF = f"""{_INLINE} float kiln_expf(float x) {{
-  /* clamp to [-104, 89] on the bits (a NaN stays NaN) */
-  const int32_t bits = kiln_f2i(x), mag = bits & 0x7fffffff;
-  const int32_t lo = (bits < 0) & (mag > 0x42d00000) & (mag <= 0x7f800000);
-  const int32_t hi = (bits > 0x42b20000) & (bits <= 0x7f800000);
-  const float xc = kiln_i2f(kiln_seli(lo, (int32_t)0xc2d00000, kiln_seli(hi, 0x42b20000, bits)));
+  /* x < -104 (exp rounds to 0) and x > 89 (to +inf), found on the bits (a negative float's bits
+     grow with its magnitude as an integer; a NaN is neither), run exp(0) and take their result
+     at the end: an underflow on the way would cost each vector a microcode assist on x86 */
+  const int32_t bits = kiln_f2i(x);
+  const int32_t zero = (bits > (int32_t)0xc2d00000) & (bits <= (int32_t)0xff800000);
+  const int32_t inf = (bits > 0x42b20000) & (bits <= 0x7f800000);
+  const float xc = kiln_i2f(bits & ((zero | inf) - 1));
   /* n = round(x / ln2) by the 1.5*2^23 trick: n lands in the low bits of t */
   const float t = xc * 1.44269504088896341f + 12582912.0f;
   const float n = t - 12582912.0f;
@@ -78,7 +81,8 @@ _EXPF = f"""{_INLINE} float kiln_expf(float x) {{
   /* 2^n as two normal halves: n in [-150, 128] */
   const int32_t k1 = k >> 1;
   const int32_t k2 = k - k1;
-  return (p * kiln_i2f((k1 + 127) << 23)) * kiln_i2f((k2 + 127) << 23);
+  const float res = (p * kiln_i2f((k1 + 127) << 23)) * kiln_i2f((k2 + 127) << 23);
+  return kiln_i2f(kiln_seli(zero, 0, kiln_seli(inf, 0x7f800000, kiln_f2i(res))));
 }}"""
 
 _LOGF = f"""{_INLINE} float kiln_logf(float x) {{

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 from dataclasses import fields
 
+import numpy as np
 import pytest
+from onnx import helper
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kiln import frontend
 from kiln.codegen import generate
-from kiln.codegen.ops.fused_attention import micro_kernel_for, panel_rows, tile_columns
+from kiln.codegen.microkernel import MicroKernel
+from kiln.codegen.ops.fused_attention import micro_kernel_for, panel_rows, row_tiling, tile_columns
 from kiln.codegen.schedule import Schedule
 from kiln.plan.chains import attention_chains
 from bench.attention import ADDITIVE, BIAS, BOOLEAN, CAUSAL, attention_model
@@ -113,6 +116,29 @@ def test_tile_columns_pad_least(m, most, columns):
     assert tile_columns(m, most, 16) == columns
 
 
+@pytest.mark.parametrize(("m", "keys", "tiling"), [
+    (197, 198, (13, 16, 16, 16)),  # ViT: 13 tiles at 6x16, not 5 of 40 at 6x8 (1.75x slower)
+    (128, 132, (4, 32, 32, 16)),  # BERT: unchanged
+    (49, 50, (1, 49, 64, 16)),  # Swin windows: one tile
+    (1, 17, (1, 1, 16, 16)),
+])
+def test_row_tiling_runs_whole_micro_tiles(m, keys, tiling):
+    """(tiles, rows, rows_pad, nr) on AVX2's 6x16 micro-kernel, 12 heads."""
+    assert row_tiling(m, keys * 4, 12, MicroKernel("float32", 6, 16, 32)) == tiling
+
+
+@pytest.mark.parametrize("nr", [16, 24, 32])
+def test_row_tiling_computes_no_more_than_one_vector_tiles(nr):
+    """Padded columns over the micro-tile's vectors never exceed those of one-vector tiles, and
+    the tiles cover the rows."""
+    uk = MicroKernel("float32", 4, nr, 32)
+    for m in range(1, 300, 7):
+        tiles, rows, rows_pad, tile_nr = row_tiling(m, 400, 1, uk)
+        assert tiles * rows >= m and rows_pad % tile_nr == 0 and tile_nr in (8, nr)
+        one_vector = row_tiling(m, 400, 1, MicroKernel("float32", 4, 8, 32))
+        assert tiles * rows_pad * nr / tile_nr <= one_vector[0] * one_vector[2] * nr / 8
+
+
 @pytest.mark.parametrize("step", [8, 16])
 def test_tile_columns_never_pad_more_than_the_largest_tiles(step):
     for m in range(1, 400):
@@ -135,5 +161,36 @@ def test_a_chain_whose_scores_are_read_elsewhere_is_no_chain(also_read):
     plan = plan_for(graph, "dnnfusion")
     kernels = generate(plan, host_target())
     assert fused_stages(kernels) == []
+    values = run_kernels(plan, kernels, dict(zip(graph.inputs, inputs.values())))
+    assert_matches([values[t] for t in graph.outputs], reference(onnx_model, inputs))
+
+
+def test_a_bias_computed_per_call_is_copied_in_parallel():
+    """BEiT: a relative-position bias made at run time with the heads innermost ([Lq, Lk, H],
+    transposed to [1, H, Lq, Lk]) and added to the scores, eight heads (one group of row tiles per
+    head): the copy in loop order runs on every thread (its outermost loop over the single group
+    once fell away with the parallel flag), and the result matches onnxruntime."""
+    from tests.codegen.harness import model, random_inputs
+    heads, length, size = 8, 197, 16
+    spec = {"q": ((1, heads, length, size), "float32"), "kt": ((1, heads, size, length), "float32"),
+            "v": ((1, heads, length, size), "float32"),
+            "table": ((length, length, heads), "float32")}
+    nodes = [helper.make_node("MatMul", ["q", "kt"], ["s"]),
+             helper.make_node("Mul", ["s", "scale"], ["scaled"]),
+             helper.make_node("Relu", ["table"], ["rpb"]),  # computed at run time
+             helper.make_node("Transpose", ["rpb"], ["bias3"], perm=[2, 0, 1]),
+             helper.make_node("Unsqueeze", ["bias3", "zero"], ["bias"]),
+             helper.make_node("Add", ["scaled", "bias"], ["biased"]),
+             helper.make_node("Softmax", ["biased"], ["p"], axis=-1),
+             helper.make_node("MatMul", ["p", "v"], ["y"])]
+    onnx_model = model(nodes, spec, ["y"], {"scale": np.array(0.25, np.float32),
+                                            "zero": np.array([0], np.int64)})
+    inputs = random_inputs(spec)
+    graph = frontend.build(onnx_model, {}, "attention")
+    kernels = generate(plan := plan_for(graph, "dnnfusion"), host_target())
+    fused = [k for k in kernels if fused_stages([k])]
+    assert len(fused) == 1
+    copy = fused[0].source.split("in the loop order of the scores */", 1)[1]
+    assert copy.lstrip(" {\n").startswith("#pragma omp parallel"), copy[:300]
     values = run_kernels(plan, kernels, dict(zip(graph.inputs, inputs.values())))
     assert_matches([values[t] for t in graph.outputs], reference(onnx_model, inputs))
