@@ -3,6 +3,8 @@ every contender computes what onnxruntime computes."""
 
 from __future__ import annotations
 
+import statistics
+import time
 from pathlib import Path
 
 import numpy as np
@@ -70,6 +72,37 @@ def test_fusion_share_counts_only_models_with_removable_time() -> None:
     assert fusion_share(10.0, 6.0, 7.0) == pytest.approx(0.75)
     assert fusion_share(10.0, 9.6, 9.5) is None  # 0.4 ms removable: under 5 % of none
     assert fusion_share(10.0, 9.5, 10.2) == pytest.approx(-0.4)  # fused slower: negative share
+
+
+def test_fusion_share_of_a_measurement_comes_from_per_round_ratios_and_the_cil_fraction() -> None:
+    from bench.fusion_ceiling import KernelSplit, Measurement, row
+
+    # The runner saw none spend 6 of 10 ms in contractions; in process, the machine slowed down
+    # 2x between rounds, but dnnfusion took 0.7 of none's time in every round: share 0.75.
+    split = {"none": KernelSplit(10.0, 6.0, 3.5), "dnnfusion": KernelSplit(7.5, 6.2, 0.5)}
+    none = [0.010, 0.020, 0.011, 0.019, 0.012]
+    m = Measurement(split, {"none": none, "dnnfusion": [0.7 * t for t in none]},
+                    {"none": none, "dnnfusion": [0.7 * t for t in none]})
+    assert m.share(statistics.median(m.ratios())) == pytest.approx(0.75)
+    assert m.round_shares() == pytest.approx([0.75] * 5)
+    assert m.kernel_sum_share() == pytest.approx((9.5 - 6.7) / 3.5)
+    text, verdict = row("m", m)
+    assert verdict == "yes" and "0.75..0.75" in text
+
+
+def test_interleaved_times_time_every_call_on_both_clocks() -> None:
+    from bench.latency import interleaved_times
+
+    def busy() -> None:
+        end = time.perf_counter() + 0.002
+        while time.perf_counter() < end:
+            pass
+
+    times = interleaved_times({"busy": busy, "idle": lambda: time.sleep(0.002)}, 3, 1,
+                              settle_s=0.0)
+    assert all(len(t["wall"]) == len(t["cpu"]) == 3 for t in times.values())
+    assert min(times["busy"]["wall"]) >= 0.002 and min(times["busy"]["cpu"]) >= 0.0015
+    assert max(times["idle"]["cpu"]) < 0.001 < min(times["idle"]["wall"])
 
 
 def test_partitioners_table_has_a_row_per_partitioner_and_peer(tmp_path: Path) -> None:
