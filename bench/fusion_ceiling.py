@@ -23,8 +23,10 @@ How, so that drift on a shared machine (±20 % within minutes) cancels:
 - none and dnnfusion run end to end in this process (the loader), interleaved, a pause before
   each timed call (`bench.latency.interleaved_times`); each round gives a ratio dnnfusion/none
   of two calls moments apart. The share is taken from the median of those ratios; its spread
-  over the rounds (p25–p75 of the per-round shares) is printed beside it, and so is the share
-  from CPU time (all threads of the process: robust to being descheduled).
+  over the rounds (p25–p75 of the per-round shares) is printed beside it. The clock is the
+  process's CPU time by default (all its threads: a call whose threads other processes
+  descheduled loses wall time, not CPU time; on a loaded 2-core host wall times of the same call
+  vary 2–5×); `--clock wall` takes wall time, and the share by the other clock is printed too.
 - none's CIL time is a *fraction* of none, from the runner's per-kernel timing (the CIL
   kernels' median sum over the run's median latency: a ratio within one process, which drift
   hardly moves), times none's in-process median.
@@ -32,7 +34,7 @@ How, so that drift on a shared machine (±20 % within minutes) cancels:
   processes: exposed to drift between them; shown for comparison).
 
     python bench/fusion_ceiling.py [--models bert-base,resnet50] [--rounds 15] [--runs 20]
-                                   [--threads 2] [--keep DIR]
+                                   [--clock cpu|wall] [--threads 2] [--keep DIR]
 """
 from __future__ import annotations
 
@@ -99,20 +101,23 @@ class Measurement:
     wall: dict[str, list[float]]
     cpu: dict[str, list[float]]
 
-    def median_ms(self, partitioner: str) -> float:
-        return statistics.median(self.wall[partitioner]) * 1e3
+    def median_ms(self, partitioner: str, clock: str) -> float:
+        return statistics.median(self.times(clock)[partitioner]) * 1e3
 
-    def ratios(self, clock: str = "wall") -> list[float]:
+    def times(self, clock: str) -> dict[str, list[float]]:
+        return self.wall if clock == "wall" else self.cpu
+
+    def ratios(self, clock: str) -> list[float]:
         """dnnfusion / none in every round."""
-        times = self.wall if clock == "wall" else self.cpu
+        times = self.times(clock)
         return [d / n for d, n in zip(times["dnnfusion"], times["none"])]
 
     def share(self, ratio: float) -> float | None:
         """The fusion share where dnnfusion takes `ratio` of none's time."""
         return fusion_share(1.0, self.split["none"].cil_fraction, ratio)
 
-    def round_shares(self) -> list[float]:
-        shares = [self.share(r) for r in self.ratios()]
+    def round_shares(self, clock: str) -> list[float]:
+        shares = [self.share(r) for r in self.ratios(clock)]
         return [s for s in shares if s is not None]
 
     def kernel_sum_share(self) -> float | None:
@@ -152,32 +157,36 @@ def _share_text(share: float | None) -> str:
     return "-" if share is None else f"{share:.2f}"
 
 
-def row(name: str, m: Measurement) -> tuple[str, str]:
-    """The model's table row and its verdict ("yes", "NO" or "-")."""
-    none, dnnf = m.median_ms("none"), m.median_ms("dnnfusion")
+def row(name: str, m: Measurement, clock: str = "cpu") -> tuple[str, str]:
+    """The model's table row by `clock` and its verdict ("yes", "NO" or "-")."""
+    none, dnnf = m.median_ms("none", clock), m.median_ms("dnnfusion", clock)
     f_none, f_dnnf = m.split["none"].cil_fraction, m.split["dnnfusion"].cil_fraction
-    ratio = statistics.median(m.ratios())
+    ratio = statistics.median(m.ratios(clock))
     share = m.share(ratio)
-    spread = m.round_shares()
+    spread = m.round_shares(clock)
     if share is None or len(spread) < 2:
         spread_text = "-"
     else:
         q1, _, q3 = statistics.quantiles(spread, n=4)
         spread_text = f"{q1:.2f}..{q3:.2f}"
-    cpu_share = m.share(statistics.median(m.ratios("cpu")))
+    other_share = m.share(statistics.median(m.ratios(_OTHER[clock])))
     verdict = "-" if share is None else "yes" if share >= TARGET_SHARE else "NO"
     text = (f"{name:16s} {none:8.2f} {none * f_none:8.2f} {none * (1 - f_none):8.2f} "
             f"{100 * (1 - f_none):4.0f}% | {dnnf:8.2f} {dnnf * f_dnnf:8.2f} "
             f"{dnnf * (1 - f_dnnf):8.2f} | {1 / ratio:9.2f} {1 / f_none:8.2f} "
-            f"{_share_text(share):>6s} {spread_text:>11s} {_share_text(cpu_share):>6s} "
+            f"{_share_text(share):>6s} {spread_text:>11s} {_share_text(other_share):>6s} "
             f"{_share_text(m.kernel_sum_share()):>6s} {verdict:>6s}")
     return text, verdict
 
 
-HEADER = (f"{'model':16s} {'none ms':>8s} {'CIL ms':>8s} {'MIL ms':>8s} {'MIL%':>5s} | "
+_OTHER = {"cpu": "wall", "wall": "cpu"}
+
+
+def header(clock: str) -> str:
+    return (f"{'model':16s} {'none ms':>8s} {'CIL ms':>8s} {'MIL ms':>8s} {'MIL%':>5s} | "
           f"{'dnnf ms':>8s} {'CIL ms':>8s} {'MIL ms':>8s} | {'none/dnnf':>9s} {'ceiling':>8s} "
-          f"{'share':>6s} {'share IQR':>11s} {'cpu':>6s} {'ksum':>6s} "
-          f"{'>=' + format(TARGET_SHARE, 'g'):>6s}")
+          f"{'share':>6s} {'share IQR':>11s} {_OTHER[clock]:>6s} {'ksum':>6s} "
+            f"{'>=' + format(TARGET_SHARE, 'g'):>6s}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,23 +195,26 @@ def main(argv: list[str] | None = None) -> int:
                         help="interleaved in-process rounds (one call of each build per round)")
     parser.add_argument("--runs", type=int, default=20,
                         help="runner runs per build for the per-kernel split")
+    parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
+                        help="time calls by the process's CPU time (default) or wall time")
     args = parser.parse_args(argv)
     rows, measured, ceilings, verdicts = [], [], [], []
     with work_folder(args.keep, "kiln-ceiling-") as work:
         for model in bench_models(args):
             m = measure(model, work, args.rounds, args.runs, args.threads)
-            text, verdict = row(model.name, m)
-            measured.append(1 / statistics.median(m.ratios()))
+            text, verdict = row(model.name, m, args.clock)
+            measured.append(1 / statistics.median(m.ratios(args.clock)))
             ceilings.append(1 / m.split["none"].cil_fraction)
             rows.append(text)
             verdicts.append(verdict)
             print(text, file=sys.stderr)
-    print(f"{args.threads} threads; none, dnnfusion: in-process medians over {args.rounds} "
-          f"interleaved rounds; CIL/MIL split: fractions from the runner's per-kernel medians "
-          f"({args.runs} runs) times those medians. CIL = kernels holding a contraction, MIL = the "
-          f"rest (with the gaps between kernels). share from the median per-round ratio; IQR: "
-          f"of the per-round shares; cpu: from CPU time; ksum: from the runner's kernel sums")
-    print(HEADER)
+    print(f"{args.threads} threads; none, dnnfusion: in-process medians of {args.clock} time "
+          f"over {args.rounds} interleaved rounds; CIL/MIL split: fractions from the runner's "
+          f"per-kernel medians ({args.runs} runs) times those medians. CIL = kernels holding a "
+          f"contraction, MIL = the rest (with the gaps between kernels). share: from the median "
+          f"per-round ratio; IQR: of the per-round shares; {_OTHER[args.clock]}: the share by "
+          f"{_OTHER[args.clock]} time; ksum: from the runner's kernel sums")
+    print(header(args.clock))
     print("\n".join(rows))
     print(f"geomean none/dnnfusion measured {statistics.geometric_mean(measured):.2f}, "
           f"ceiling (none / its CIL time) {statistics.geometric_mean(ceilings):.2f}")

@@ -83,8 +83,8 @@ def test_fusion_share_of_a_measurement_comes_from_per_round_ratios_and_the_cil_f
     none = [0.010, 0.020, 0.011, 0.019, 0.012]
     m = Measurement(split, {"none": none, "dnnfusion": [0.7 * t for t in none]},
                     {"none": none, "dnnfusion": [0.7 * t for t in none]})
-    assert m.share(statistics.median(m.ratios())) == pytest.approx(0.75)
-    assert m.round_shares() == pytest.approx([0.75] * 5)
+    assert m.share(statistics.median(m.ratios("wall"))) == pytest.approx(0.75)
+    assert m.round_shares("cpu") == pytest.approx([0.75] * 5)
     assert m.kernel_sum_share() == pytest.approx((9.5 - 6.7) / 3.5)
     text, verdict = row("m", m)
     assert verdict == "yes" and "0.75..0.75" in text
