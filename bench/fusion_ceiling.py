@@ -22,8 +22,10 @@ must reach 0.75. Below 5 % the share is noise over a small difference and is sho
 How, so that drift on a shared machine (±20 % within minutes) cancels:
 - none and dnnfusion run end to end in this process (the loader), interleaved, a pause before
   each timed call (`bench.latency.interleaved_times`); each round gives a ratio dnnfusion/none
-  of two calls moments apart. The share is taken from the median of those ratios; its spread
-  over the rounds (p25–p75 of the per-round shares) is printed beside it. The clock is the
+  of two calls moments apart. The share is taken from the median of those ratios, with a 95 %
+  confidence interval of that median (distribution-free: order statistics of the per-round
+  shares). The verdict is "yes" or "NO" only where the whole interval lies on one side of the
+  target, and "?" where the rounds cannot tell. The clock is the
   process's CPU time by default (all its threads: a call whose threads other processes
   descheduled loses wall time, not CPU time; on a loaded 2-core host wall times of the same call
   vary 2–5×); `--clock wall` takes wall time, and the share by the other clock is printed too.
@@ -39,6 +41,7 @@ How, so that drift on a shared machine (±20 % within minutes) cancels:
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 from dataclasses import dataclass
@@ -153,24 +156,41 @@ def _check_same_outputs(compiled: dict[str, CompiledModel], inputs: dict) -> Non
                              f"{float(np.max(np.abs(a - b))):.3g}")
 
 
+def median_interval(values: list[float], z: float = 1.96) -> tuple[float, float] | None:
+    """A confidence interval (normal quantile `z`, 95 % by default) of the median of `values`,
+    from their order statistics (no assumption on their distribution); None for fewer than 6
+    values, which give none at 95 %."""
+    n = len(values)
+    if n < 6:
+        return None
+    ordered = sorted(values)
+    half_width = z * math.sqrt(n) / 2
+    low = max(0, math.floor(n / 2 - half_width) - 1)
+    high = min(n - 1, math.ceil(n / 2 + half_width))
+    return ordered[low], ordered[high]
+
+
+def _verdict(share: float | None, interval: tuple[float, float] | None) -> str:
+    if share is None:
+        return "-"
+    low, high = interval or (share, share)
+    return "yes" if low >= TARGET_SHARE else "NO" if high < TARGET_SHARE else "?"
+
+
 def _share_text(share: float | None) -> str:
     return "-" if share is None else f"{share:.2f}"
 
 
 def row(name: str, m: Measurement, clock: str = "cpu") -> tuple[str, str]:
-    """The model's table row by `clock` and its verdict ("yes", "NO" or "-")."""
+    """The model's table row by `clock` and its verdict ("yes", "NO", "?" or "-")."""
     none, dnnf = m.median_ms("none", clock), m.median_ms("dnnfusion", clock)
     f_none, f_dnnf = m.split["none"].cil_fraction, m.split["dnnfusion"].cil_fraction
     ratio = statistics.median(m.ratios(clock))
     share = m.share(ratio)
-    spread = m.round_shares(clock)
-    if share is None or len(spread) < 2:
-        spread_text = "-"
-    else:
-        q1, _, q3 = statistics.quantiles(spread, n=4)
-        spread_text = f"{q1:.2f}..{q3:.2f}"
+    interval = None if share is None else median_interval(m.round_shares(clock))
+    spread_text = "-" if interval is None else f"{interval[0]:.2f}..{interval[1]:.2f}"
     other_share = m.share(statistics.median(m.ratios(_OTHER[clock])))
-    verdict = "-" if share is None else "yes" if share >= TARGET_SHARE else "NO"
+    verdict = _verdict(share, interval)
     text = (f"{name:16s} {none:8.2f} {none * f_none:8.2f} {none * (1 - f_none):8.2f} "
             f"{100 * (1 - f_none):4.0f}% | {dnnf:8.2f} {dnnf * f_dnnf:8.2f} "
             f"{dnnf * (1 - f_dnnf):8.2f} | {1 / ratio:9.2f} {1 / f_none:8.2f} "
@@ -185,7 +205,7 @@ _OTHER = {"cpu": "wall", "wall": "cpu"}
 def header(clock: str) -> str:
     return (f"{'model':16s} {'none ms':>8s} {'CIL ms':>8s} {'MIL ms':>8s} {'MIL%':>5s} | "
           f"{'dnnf ms':>8s} {'CIL ms':>8s} {'MIL ms':>8s} | {'none/dnnf':>9s} {'ceiling':>8s} "
-          f"{'share':>6s} {'share IQR':>11s} {_OTHER[clock]:>6s} {'ksum':>6s} "
+          f"{'share':>6s} {'95% CI':>11s} {_OTHER[clock]:>6s} {'ksum':>6s} "
             f"{'>=' + format(TARGET_SHARE, 'g'):>6s}")
 
 
@@ -212,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
           f"over {args.rounds} interleaved rounds; CIL/MIL split: fractions from the runner's "
           f"per-kernel medians ({args.runs} runs) times those medians. CIL = kernels holding a "
           f"contraction, MIL = the rest (with the gaps between kernels). share: from the median "
-          f"per-round ratio; IQR: of the per-round shares; {_OTHER[args.clock]}: the share by "
+          f"per-round ratio; 95% CI: of that median; {_OTHER[args.clock]}: the share by "
           f"{_OTHER[args.clock]} time; ksum: from the runner's kernel sums")
     print(header(args.clock))
     print("\n".join(rows))
@@ -220,8 +240,9 @@ def main(argv: list[str] | None = None) -> int:
           f"ceiling (none / its CIL time) {statistics.geometric_mean(ceilings):.2f}")
     counted = [v for v in verdicts if v != "-"]
     print(f"fusion share >= {TARGET_SHARE:g} on {counted.count('yes')} of {len(counted)} model(s) "
-          f"whose removable time is >= {MIN_REMOVABLE:.0%} of none "
-          f"({len(verdicts) - len(counted)} below)")
+          f"whose removable time is >= {MIN_REMOVABLE:.0%} of none, below it on "
+          f"{counted.count('NO')}, undecided by the rounds on {counted.count('?')} "
+          f"({len(verdicts) - len(counted)} model(s) with less removable time)")
     return 0
 
 

@@ -80,14 +80,32 @@ def test_fusion_share_of_a_measurement_comes_from_per_round_ratios_and_the_cil_f
     # The runner saw none spend 6 of 10 ms in contractions; in process, the machine slowed down
     # 2x between rounds, but dnnfusion took 0.7 of none's time in every round: share 0.75.
     split = {"none": KernelSplit(10.0, 6.0, 3.5), "dnnfusion": KernelSplit(7.5, 6.2, 0.5)}
-    none = [0.010, 0.020, 0.011, 0.019, 0.012]
+    none = [0.010, 0.020, 0.011, 0.019, 0.012, 0.015]
     m = Measurement(split, {"none": none, "dnnfusion": [0.7 * t for t in none]},
                     {"none": none, "dnnfusion": [0.7 * t for t in none]})
     assert m.share(statistics.median(m.ratios("wall"))) == pytest.approx(0.75)
-    assert m.round_shares("cpu") == pytest.approx([0.75] * 5)
+    assert m.round_shares("cpu") == pytest.approx([0.75] * 6)
     assert m.kernel_sum_share() == pytest.approx((9.5 - 6.7) / 3.5)
     text, verdict = row("m", m)
     assert verdict == "yes" and "0.75..0.75" in text
+
+
+def test_rounds_that_straddle_the_target_leave_the_verdict_open() -> None:
+    from bench.fusion_ceiling import KernelSplit, Measurement, median_interval, row
+
+    ordered = list(range(100))
+    assert median_interval(ordered) == (39, 60)  # the 40th and 61st of 100: 95 % for the median
+    assert median_interval(ordered[:5]) is None
+    split = {"none": KernelSplit(10.0, 6.0, 3.5), "dnnfusion": KernelSplit(7.5, 6.2, 0.5)}
+    none = [0.010] * 12
+    # dnnfusion/none alternates 0.6 and 0.8 (shares 1.0 and 0.5): the median is 0.75, the
+    # rounds cannot tell which side of the target it is on.
+    dnnf = [0.010 * (0.6 if r % 2 else 0.8) for r in range(12)]
+    m = Measurement(split, {"none": none, "dnnfusion": dnnf}, {"none": none, "dnnfusion": dnnf})
+    assert row("m", m)[1] == "?"
+    m = Measurement(split, {"none": none, "dnnfusion": [0.0095] * 12},
+                    {"none": none, "dnnfusion": [0.0095] * 12})
+    assert row("m", m)[1] == "NO"
 
 
 def test_interleaved_times_time_every_call_on_both_clocks() -> None:
