@@ -25,13 +25,17 @@ How, so that drift on a shared machine (±20 % within minutes) cancels:
   of two calls moments apart. The share is taken from the median of those ratios, with a 95 %
   confidence interval of that median (distribution-free: order statistics of the per-round
   shares). The verdict is "yes" or "NO" only where the whole interval lies on one side of the
-  target, and "?" where the rounds cannot tell. The clock is the
-  process's CPU time by default (all its threads: a call whose threads other processes
-  descheduled loses wall time, not CPU time; on a loaded 2-core host wall times of the same call
-  vary 2–5×); `--clock wall` takes wall time, and the share by the other clock is printed too.
+  target, and "?" where the rounds cannot tell. The clock is the process's CPU time by default
+  (all its threads: a call whose threads other processes descheduled loses wall time, not CPU
+  time; on a loaded 2-core host wall times of the same call vary 2–5×); `--clock wall` takes
+  wall time, and the share by the other clock is printed too.
 - none's CIL time is a *fraction* of none, from the runner's per-kernel timing (the CIL
   kernels' median sum over the run's median latency: a ratio within one process, which drift
   hardly moves), times none's in-process median.
+  The fraction is of wall time (the runner times kernels by the clock), applied to either clock:
+  on a quiet machine `--clock wall` is the issue's measure itself; on a loaded one the CPU-time
+  ratio is the steadier one, and the fraction the weaker part (short parallel kernels lose more
+  wall time to preemption than long ones, so the removable time tends to be over-counted).
 - "ksum" is the share from the runner's per-kernel sums alone (both builds in separate runner
   processes: exposed to drift between them; shown for comparison).
 
