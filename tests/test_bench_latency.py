@@ -111,15 +111,16 @@ def test_rounds_that_straddle_the_target_leave_the_verdict_open() -> None:
 def test_interleaved_times_time_every_call_on_both_clocks() -> None:
     from bench.latency import interleaved_times
 
-    def busy() -> None:
-        end = time.perf_counter() + 0.002
-        while time.perf_counter() < end:
+    def busy() -> None:  # 2 ms of CPU time, however long other processes hold the CPU
+        end = time.process_time() + 0.002
+        while time.process_time() < end:
             pass
 
     times = interleaved_times({"busy": busy, "idle": lambda: time.sleep(0.002)}, 3, 1,
                               settle_s=0.0)
     assert all(len(t["wall"]) == len(t["cpu"]) == 3 for t in times.values())
-    assert min(times["busy"]["wall"]) >= 0.002 and min(times["busy"]["cpu"]) >= 0.0015
+    busy_times = zip(times["busy"]["wall"], times["busy"]["cpu"])
+    assert all(wall >= cpu - 1e-4 and cpu >= 0.002 for wall, cpu in busy_times)
     assert max(times["idle"]["cpu"]) < 0.001 < min(times["idle"]["wall"])
 
 
