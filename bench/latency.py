@@ -143,15 +143,24 @@ def max_diff(calls: dict[str, Callable]) -> dict[str, float]:
 
 def interleaved_medians(calls: dict[str, Callable], rounds: int, warmup: int,
                         settle_s: float = SETTLE_S) -> dict[str, float]:
-    """Medians over rounds of one call each. The order rotates every round and each timed call
-    starts after a pause: a thread pool spins for a while after its call returns (onnxruntime's
-    and OpenMP's both do), and whoever always ran next would pay for it. After the pause come
-    untimed calls for `WARM_S`: on a VM the first calls after an idle pause run several times
-    slower while the sleeping threads' virtual CPUs come back."""
+    """Median milliseconds per call over `interleaved_times`' rounds."""
+    times = interleaved_times(calls, rounds, warmup, settle_s)
+    return {name: statistics.median(t["wall"]) * 1e3 for name, t in times.items()}
+
+
+def interleaved_times(calls: dict[str, Callable], rounds: int, warmup: int,
+                      settle_s: float = SETTLE_S) -> dict[str, dict[str, list[float]]]:
+    """Seconds of each call in every round, by name: "wall" (perf_counter) and "cpu" (the
+    process's CPU time, all its threads; a call whose threads were descheduled by another process
+    loses wall time, not CPU time). One call each per round; the order rotates every round and
+    each timed call starts after a pause: a thread pool spins for a while after its call returns
+    (onnxruntime's and OpenMP's both do), and whoever always ran next would pay for it. After the
+    pause come untimed calls for `WARM_S`: on a VM the first calls after an idle pause run
+    several times slower while the sleeping threads' virtual CPUs come back."""
     for _ in range(warmup):
         for call in calls.values():
             call()
-    times: dict[str, list[float]] = {name: [] for name in calls}
+    times: dict[str, dict[str, list[float]]] = {name: {"wall": [], "cpu": []} for name in calls}
     names = list(calls)
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
@@ -160,10 +169,11 @@ def interleaved_medians(calls: dict[str, Callable], rounds: int, warmup: int,
             calls[name]()
             while time.perf_counter() < warm_until:
                 calls[name]()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             calls[name]()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
+            times[name]["wall"].append(time.perf_counter() - start)
+            times[name]["cpu"].append(time.process_time() - start_cpu)
+    return times
 
 
 def ratio(a: float | None, b: float | None) -> str:

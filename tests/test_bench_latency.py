@@ -3,6 +3,8 @@ every contender computes what onnxruntime computes."""
 
 from __future__ import annotations
 
+import statistics
+import time
 from pathlib import Path
 
 import numpy as np
@@ -70,6 +72,56 @@ def test_fusion_share_counts_only_models_with_removable_time() -> None:
     assert fusion_share(10.0, 6.0, 7.0) == pytest.approx(0.75)
     assert fusion_share(10.0, 9.6, 9.5) is None  # 0.4 ms removable: under 5 % of none
     assert fusion_share(10.0, 9.5, 10.2) == pytest.approx(-0.4)  # fused slower: negative share
+
+
+def test_fusion_share_of_a_measurement_comes_from_per_round_ratios_and_the_cil_fraction() -> None:
+    from bench.fusion_ceiling import KernelSplit, Measurement, row
+
+    # The runner saw none spend 6 of 10 ms in contractions; in process, the machine slowed down
+    # 2x between rounds, but dnnfusion took 0.7 of none's time in every round: share 0.75.
+    split = {"none": KernelSplit(10.0, 6.0, 3.5), "dnnfusion": KernelSplit(7.5, 6.2, 0.5)}
+    none = [0.010, 0.020, 0.011, 0.019, 0.012, 0.015]
+    m = Measurement(split, {"none": none, "dnnfusion": [0.7 * t for t in none]},
+                    {"none": none, "dnnfusion": [0.7 * t for t in none]})
+    assert m.share(statistics.median(m.ratios("wall"))) == pytest.approx(0.75)
+    assert m.round_shares("cpu") == pytest.approx([0.75] * 6)
+    assert m.kernel_sum_share() == pytest.approx((9.5 - 6.7) / 3.5)
+    text, verdict = row("m", m)
+    assert verdict == "yes" and "0.75..0.75" in text
+
+
+def test_rounds_that_straddle_the_target_leave_the_verdict_open() -> None:
+    from bench.fusion_ceiling import KernelSplit, Measurement, median_interval, row
+
+    ordered = list(range(100))
+    assert median_interval(ordered) == (39, 60)  # the 40th and 61st of 100: 95 % for the median
+    assert median_interval(ordered[:5]) is None
+    split = {"none": KernelSplit(10.0, 6.0, 3.5), "dnnfusion": KernelSplit(7.5, 6.2, 0.5)}
+    none = [0.010] * 12
+    # dnnfusion/none alternates 0.6 and 0.8 (shares 1.0 and 0.5): the median is 0.75, the
+    # rounds cannot tell which side of the target it is on.
+    dnnf = [0.010 * (0.6 if r % 2 else 0.8) for r in range(12)]
+    m = Measurement(split, {"none": none, "dnnfusion": dnnf}, {"none": none, "dnnfusion": dnnf})
+    assert row("m", m)[1] == "?"
+    m = Measurement(split, {"none": none, "dnnfusion": [0.0095] * 12},
+                    {"none": none, "dnnfusion": [0.0095] * 12})
+    assert row("m", m)[1] == "NO"
+
+
+def test_interleaved_times_time_every_call_on_both_clocks() -> None:
+    from bench.latency import interleaved_times
+
+    def busy() -> None:  # 2 ms of CPU time, however long other processes hold the CPU
+        end = time.process_time() + 0.002
+        while time.process_time() < end:
+            pass
+
+    times = interleaved_times({"busy": busy, "idle": lambda: time.sleep(0.002)}, 3, 1,
+                              settle_s=0.0)
+    assert all(len(t["wall"]) == len(t["cpu"]) == 3 for t in times.values())
+    busy_times = zip(times["busy"]["wall"], times["busy"]["cpu"])
+    assert all(wall >= cpu - 1e-4 and cpu >= 0.002 for wall, cpu in busy_times)
+    assert max(times["idle"]["cpu"]) < 0.001 < min(times["idle"]["wall"])
 
 
 def test_partitioners_table_has_a_row_per_partitioner_and_peer(tmp_path: Path) -> None:
