@@ -25,6 +25,7 @@ memory (a stride-2 conv from 112 × 112 × 128: 6.6 MB), and its B rows, each a 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -142,27 +143,17 @@ def _copy_input(ctx: StageCtx, w: Window, grid: PhaseGrid, ops: ConvOperands,
                 in_shape: tuple[int, ...], group: int, dtype: str) -> str:
     """The zero-padded, phase-split copy of the input, one parallel loop over (image, group,
     channel, row), a vector loop over each phase's columns; the segments' tails are zeroed."""
-    batch, channels = in_shape[:2]
-    segments = batch * group
+    segments = in_shape[0] * group
     name = ctx.scratch(dtype, segments * grid.segment)
-    (sh, sw), (ph, pw), (ih, iw) = w.strides, w.pad_begin, w.in_size
     q = ctx.var("q", segments * grid.channels * grid.hq)
     b, c, r = Index((segments, grid.channels, grid.hq), flat=q).dims
-    n, g = floordiv(b, group), sub(b, mul(floordiv(b, group), group))
-    body: list[ir.Stmt] = []
-    for p, (py, px) in enumerate(grid.phases):
-        u = ctx.var("u", grid.wq)
-        y, x = sub(add(mul(r, sh), py), ph), sub(add(mul(u, sw), px), pw)
-        inside = logical_and(logical_and(index_compare("ge", y, 0), index_compare("lt", y, ih)),
-                             logical_and(index_compare("ge", x, 0), index_compare("lt", x, iw)))
-        value = ops.once(Index((batch, channels, ih, iw),
-                                 dims=[n, add(mul(g, grid.channels), c), clamp(y, 0, ih - 1),
-                                       clamp(x, 0, iw - 1)]))
-        at = add(mul(b, grid.segment), mul(add(mul(add(mul(c, len(grid.phases)), p), grid.hq), r),
-                                           grid.wq), u)
-        body.append(ir.Loop(u, iconst(0), iconst(grid.wq),
-                            [ir.Store(name, at, select(inside, value, const(0, dtype)))],
-                            simd=True))
+
+    def store(p: int, u: Expr, value: Expr) -> ir.Stmt:
+        at = add(mul(b, grid.segment),
+                 mul(add(mul(add(mul(c, len(grid.phases)), p), grid.hq), r), grid.wq), u)
+        return ir.Store(name, at, value)
+
+    body = _phase_rows(ctx, w, grid, ops, in_shape, dtype, (b, group), (c, r), store)
     loops = [ir.Loop(q, iconst(0), iconst(segments * grid.channels * grid.hq), body, parallel=1,
                      grain="chunks")]
     used = grid.channels * grid.channel_stride
@@ -175,6 +166,33 @@ def _copy_input(ctx: StageCtx, w: Window, grid: PhaseGrid, ops: ConvOperands,
     ctx.stage(f"pad input of {ctx.op.id} into stride phases", loops,
               segments * grid.segment)
     return name
+
+
+def _phase_rows(ctx: StageCtx, w: Window, grid: PhaseGrid, ops: ConvOperands,
+                in_shape: tuple[int, ...], dtype: str, image_group: tuple[Expr, int],
+                channel_row: tuple[Expr, Expr],
+                store: Callable[[int, Expr, Expr], ir.Stmt]) -> list[ir.Stmt]:
+    """One vector loop per phase over the columns of one row of the phase grid: the input's
+    value there, or 0 in the padding, given to `store(phase, column, value)`. `image_group` =
+    (image·group index, groups), `channel_row` = (channel within the group, grid row)."""
+    batch, channels = in_shape[:2]
+    b, group = image_group
+    c, r = channel_row
+    n, g = floordiv(b, group), sub(b, mul(floordiv(b, group), group))
+    (sh, sw), (ph, pw), (ih, iw) = w.strides, w.pad_begin, w.in_size
+    loops: list[ir.Stmt] = []
+    for p, (py, px) in enumerate(grid.phases):
+        u = ctx.var("u", grid.wq)
+        y, x = sub(add(mul(r, sh), py), ph), sub(add(mul(u, sw), px), pw)
+        inside = logical_and(logical_and(index_compare("ge", y, 0), index_compare("lt", y, ih)),
+                             logical_and(index_compare("ge", x, 0), index_compare("lt", x, iw)))
+        value = ops.once(Index((batch, channels, ih, iw),
+                               dims=[n, add(mul(g, grid.channels), c), clamp(y, 0, ih - 1),
+                                     clamp(x, 0, iw - 1)]))
+        loops.append(ir.Loop(u, iconst(0), iconst(grid.wq),
+                             [store(p, u, select(inside, value, const(0, dtype)))],
+                             simd=True))
+    return loops
 
 
 def direct_conv(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: ConvOperands,
@@ -320,28 +338,18 @@ def _copy_window(ctx: StageCtx, w: Window, grid: PhaseGrid, window: TaskWindow,
     `at` = (image·group, first grid row, k0), `sum_slices` = (kc, K, taps)."""
     b, first_row, k0 = at
     kc, k_total, taps = sum_slices
-    batch, channels = in_shape[:2]
-    n, g = floordiv(b, group), sub(b, mul(floordiv(b, group), group))
-    (sh, sw), (ph, pw), (ih, iw) = w.strides, w.pad_begin, w.in_size
     c0 = floordiv(k0, taps)
     count = sub(add(floordiv(sub(imin(iconst(k_total), add(k0, kc)), 1), taps), 1), c0)
     c = ctx.var("c", window.channels)
     r = ctx.var("r", window.plane_rows)
-    stores: list[ir.Stmt] = []
-    for p, (py, px) in enumerate(grid.phases):
-        u = ctx.var("u", grid.wq)
-        y, x = sub(add(mul(add(first_row, r), sh), py), ph), sub(add(mul(u, sw), px), pw)
-        inside = logical_and(logical_and(index_compare("ge", y, 0), index_compare("lt", y, ih)),
-                             logical_and(index_compare("ge", x, 0), index_compare("lt", x, iw)))
-        value = ops.once(Index((batch, channels, ih, iw),
-                               dims=[n, add(mul(g, grid.channels), c0, c), clamp(y, 0, ih - 1),
-                                     clamp(x, 0, iw - 1)]))
+
+    def store(p: int, u: Expr, value: Expr) -> ir.Stmt:
         slot = add(mul(add(mul(add(mul(c, len(grid.phases)), p), window.plane_rows), r),
                        grid.wq), u)
-        stores.append(ir.Loop(u, iconst(0), iconst(grid.wq),
-                              [ir.ArrayStore(window.name, slot,
-                                             select(inside, value, const(0, dtype)))],
-                              simd=True))
+        return ir.ArrayStore(window.name, slot, value)
+
+    stores = _phase_rows(ctx, w, grid, ops, in_shape, dtype, (b, group),
+                         (add(c0, c), add(first_row, r)), store)
     # past the slice's channels, zeros: the dropped pixels' reads stay finite
     t = ctx.var("t", window.elements)
     tail = ir.Loop(t, mul(count, window.channel_stride), iconst(window.elements),
