@@ -51,14 +51,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.latency import (BenchModel, bench_models, interleaved_times,  # noqa: E402
                            kiln_artifact, work_folder, zoo_arguments)
 from kiln.ops import op_info  # noqa: E402
 from kiln.runtime.artifact import Artifact, open_artifact  # noqa: E402
+from kiln.runtime.cli import compare  # noqa: E402
 from kiln.runtime.execute import run_runner  # noqa: E402
 from kiln.runtime.loader import CompiledModel  # noqa: E402
 
@@ -151,13 +150,14 @@ def measure(model: BenchModel, work: Path, rounds: int, runs: int, threads: int)
 
 
 def _check_same_outputs(compiled: dict[str, CompiledModel], inputs: dict) -> None:
-    """Both builds must compute the same thing, or their times say nothing about fusion."""
+    """Both builds must compute the same thing (within `kiln verify`'s tolerance), or their times
+    say nothing about fusion."""
     none, dnnf = (compiled[p].run(**inputs) for p in PARTITIONERS)
-    for a, b in zip(none, dnnf):
-        scale = max(1.0, float(np.max(np.abs(a), initial=0.0)))
-        if not np.allclose(a, b, rtol=1e-3, atol=1e-3 * scale):
-            raise SystemExit(f"none and dnnfusion disagree: max |diff| "
-                             f"{float(np.max(np.abs(a - b))):.3g}")
+    for n, (a, b) in enumerate(zip(none, dnnf)):
+        found = compare(f"output {n}", b, a)
+        if not found["ok"]:
+            raise SystemExit(f"none and dnnfusion disagree on {found['output']}: max |diff| "
+                             f"{found['max_abs']:.3g} {found['note']}".rstrip())
 
 
 def median_interval(values: list[float], z: float = 1.96) -> tuple[float, float] | None:
