@@ -42,9 +42,14 @@ def take_token(db: Database, tenant_id: str, rate: float, burst: int) -> float:
                 s.add(RateBucket(tenant_id=tenant_id, tokens=burst - 1.0, updated_at=now))
                 return 0.0
             have = min(float(burst), bucket.tokens + max(0.0, now - bucket.updated_at) * rate)
-            return (1.0 - have) / rate
+            if have < 1.0:
+                return (1.0 - have) / rate
     except IntegrityError:  # another process made the bucket at the same moment
-        return take_token(db, tenant_id, rate, burst)
+        pass
+    # Another process made (or changed) the bucket between the UPDATE and the read: PostgreSQL
+    # reads each statement's own snapshot, so the read may show a token that the UPDATE did not
+    # take. Take it through the UPDATE again instead of letting the request through for free.
+    return take_token(db, tenant_id, rate, burst)
 
 
 def too_many_requests(rate: float, burst: int, wait: float) -> APIError:

@@ -168,3 +168,43 @@ def test_a_request_with_an_earlier_clock_does_not_turn_the_bucket_back(database_
     monkeypatch.setattr(limits.service.time, "time", lambda: next(clock))
     waits = [take_token(db, tenant.id, rate=1.0, burst=2) for _ in range(3)]
     assert waits[:2] == [0.0, 0.0] and waits[2] > 0  # a burst of 2 at t=100, not 3
+
+
+def test_a_bucket_made_between_the_update_and_the_read_still_gives_its_token(database_url,
+                                                                            monkeypatch):
+    """PostgreSQL reads each statement's own snapshot: another API process can make the bucket
+    after this request's UPDATE found none and before it reads the bucket. The request must take
+    its token from that bucket, not pass without one (an extra request in a fresh burst)."""
+    if not database_url.startswith("postgresql"):
+        pytest.skip("SQLite serializes the write transactions: nothing comes in between")
+    from sqlalchemy.orm import Session
+
+    from service.db import Database, database
+    from service.limits.service import take_token
+    from service.limits.tables import RateBucket
+    from service.migrate import upgrade
+    from service.tenants.service import create_tenant
+
+    upgrade(database_url)
+    db = database(database_url)
+    tenant = create_tenant(db, "acme")
+    other_process = Database(database_url)
+    real_get = Session.get
+
+    def bucket_made_meanwhile(session, entity, ident, *args, **kwargs):
+        if entity is RateBucket and not made:
+            made.append(True)
+            with other_process.write() as s:
+                s.add(RateBucket(tenant_id=tenant.id, tokens=1.0, updated_at=time.time()))
+        return real_get(session, entity, ident, *args, **kwargs)
+
+    made: list[bool] = []
+    monkeypatch.setattr(Session, "get", bucket_made_meanwhile)
+    try:
+        assert take_token(db, tenant.id, rate=0.001, burst=2) == 0.0
+        assert made, "the request did not read the bucket after its UPDATE"
+        with db.read() as s:
+            assert s.get(RateBucket, tenant.id).tokens < 1.0, "the request took no token"
+        assert take_token(db, tenant.id, rate=0.001, burst=2) > 0
+    finally:
+        other_process.dispose()
