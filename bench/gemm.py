@@ -17,7 +17,12 @@ loaded machine disturbs less. Issue 13's target: kiln/ort ≥ 0.95 over the zoo 
 
     python bench/gemm.py [--threads 2] [--tune off|quick|full] [--tune-budget S]
                          [--only zoo|square] [--max-shapes N] [--seconds 0.4]
-                         [--peers numpy,ort,ov]
+                         [--peers numpy,ort,ov] [--shapes 197x768x3072,1x768x768,...]
+                         [--clock wall|cpu]
+
+`--shapes` times MatMuls of the given M×K×N (constant weights) instead of the
+zoo's; `--clock cpu` compares the process's CPU time per call (all its threads), which other
+processes on a loaded machine disturb less than wall time.
 """
 from __future__ import annotations
 
@@ -121,6 +126,15 @@ def zoo_cases() -> list[Case]:
     return [Case(**{**c.__dict__, "origin": ",".join(origins[k])}) for k, c in found.items()]
 
 
+def shape_cases(shapes: str) -> list[Case]:
+    """MatMuls of (1, M, K) by constant (K, N) weights, one per M×K×N of `shapes`."""
+    cases = []
+    for shape in shapes.split(","):
+        m, k, n = (int(d) for d in shape.lower().split("x"))
+        cases.append(Case("MatMul", (1, m, k), (k, n), True, origin=f"{m}x{k}x{n}"))
+    return cases
+
+
 def square_cases() -> list[Case]:
     return [Case("MatMul", (n, n), (n, n), True) for n in SQUARES]
 
@@ -192,9 +206,10 @@ SETTLE_S = 0.15  # pause before each block: longer than OpenBLAS's workers busy-
 WARM_S = 0.02  # untimed calls at the start of each block: at least 3, for at least this long
 
 
-def measure(calls: dict, seconds: float) -> dict[str, tuple[float, float]]:
-    """Interleaved (median, best) seconds: one call of each per round, rounds until each side
-    has run about `seconds`."""
+def measure(calls: dict, seconds: float,
+            clock=time.perf_counter) -> dict[str, tuple[float, float]]:
+    """Interleaved (median, best) seconds of `clock`: one call of each per round, rounds until
+    each side has run about `seconds`."""
     for call in calls.values():
         call()
     single = {}
@@ -218,9 +233,9 @@ def measure(calls: dict, seconds: float) -> dict[str, tuple[float, float]]:
                 calls[name]()
                 warm_calls += 1
             for _ in range(BLOCK):
-                start = time.perf_counter()
+                start = clock()
                 calls[name]()
-                times[name].append(time.perf_counter() - start)
+                times[name].append(clock() - start)
     return {name: (statistics.median(t), min(t)) for name, t in times.items()}
 
 
@@ -249,6 +264,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-shapes", type=int, default=0, help="first N zoo shapes only")
     parser.add_argument("--seconds", type=float, default=0.4,
                         help="time per contender per shape (sets the rounds)")
+    parser.add_argument("--shapes", help="comma-separated MxKxN products instead of the zoo's")
+    parser.add_argument("--clock", default="wall", choices=CLOCKS,
+                        help="wall time, or the process's CPU time (all threads)")
     parser.add_argument("--peers", default=",".join(PEERS),
                         help="references: numpy, ort (onnxruntime), ov (OpenVINO); default all")
     args = parser.parse_args(argv)
@@ -259,16 +277,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--peers: choose from {', '.join(PEERS)}")
 
     cases = []
-    if args.only != "square":
+    if args.shapes:
+        cases += shape_cases(args.shapes)
+    elif args.only != "square":
         zoo = zoo_cases()
         cases += zoo[:args.max_shapes] if args.max_shapes else zoo
-    if args.only != "zoo":
+    if args.only != "zoo" and not args.shapes:
         cases += square_cases()
     store = default_store()
     rng = np.random.default_rng(0)
     options = CompileOptions(tune=args.tune, tune_budget=args.tune_budget)
     print(f"kiln GEMM vs {', '.join(_LABELS[p] for p in peers)} (numpy {np.__version__} with "
-          f"{_blas_name()}), {args.threads} threads, tune={args.tune}")
+          f"{_blas_name()}), {args.threads} threads, tune={args.tune}, {args.clock} time")
     header = (f"{'shape':48s} {'kiln GF/s':>10s} " +
               " ".join(f"{_LABELS[p] + ' GF/s':>13s}" for p in peers) + " " +
               " ".join(f"{'k/' + p:>7s}" for p in peers) + f" {'max|diff|':>9s}  models")
@@ -291,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
                      **peer_calls(case, path, feeds, consts, peers, args.threads)}
             theirs = numpy_call(case, feeds, consts)()
             diff = max(float(np.max(np.abs(call() - theirs))) for call in calls.values())
-            ms = measure(calls, args.seconds)
+            ms = measure(calls, args.seconds, CLOCKS[args.clock])
             group = "square" if case.origin == "square" else "zoo"
             for peer in peers:
                 ratios.setdefault((group, peer, "median"), []).append(ms[peer][0] / ms["kiln"][0])
@@ -314,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 _LABELS = {"numpy": "numpy", "ort": "ort", "ov": "openvino"}
 
 

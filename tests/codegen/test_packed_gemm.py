@@ -15,7 +15,7 @@ from onnx import helper
 
 from kiln import frontend
 from kiln.codegen import generate
-from kiln.codegen.gemm.blocking import blocking
+from kiln.codegen.gemm.blocking import IDLE_SHARE, blocking, idle_share
 from kiln.codegen.microkernel import (
     ISA_TILES,
     MicroKernel,
@@ -391,6 +391,31 @@ def test_blocking_keeps_threads_busy_and_blocks_even():
     # 256 channels at 14×14: A and B are alike, so neither is re-read by many blocks
     mid = blocking(256, 196, 2304, 1, uk, 96, 256, 256)
     assert -(-256 // mid.mc) <= 4 and -(-196 // mid.nc) <= 4
+
+
+@pytest.mark.parametrize("m,n", [(197, 768), (128, 768), (257, 768), (50, 3072), (197, 3072),
+                                 (1, 1000), (6, 16), (31, 200)])
+def test_balanced_blocking_splits_evenly_over_2_4_and_8_threads(m, n):
+    """Equal tasks over 2, 4 and 8 threads leave at most IDLE_SHARE of their time idle, unless
+    the blocks are single micro-tiles already; without `balance` the blocks stay as large as
+    `min_tasks` allows (197 rows in 66-row blocks by 256 columns: 9 tasks, a quarter of 4
+    threads' time idle)."""
+    uk = MicroKernel("float32", 6, 16, 32)
+    b = blocking(m, n, 768, 1, uk, 96, 256, 256, balance=True)
+    assert b.mc % 6 == 0 and b.nc % 16 == 0
+    tasks = -(-m // b.mc) * -(-n // b.nc)
+    assert tasks >= 8 or (b.mc, b.nc) == (6, 16)
+    if (b.mc, b.nc) != (6, 16):
+        assert all(idle_share(tasks, t) <= IDLE_SHARE for t in (2, 4, 8))
+    plain = blocking(m, n, 768, 1, uk, 96, 256, 256)
+    assert plain.mc >= b.mc and plain.nc >= b.nc
+
+
+def test_unbalanced_blocking_of_a_vit_product():
+    uk = MicroKernel("float32", 6, 16, 32)
+    plain = blocking(197, 768, 768, 1, uk, 96, 256, 256)
+    assert -(-197 // plain.mc) * -(-768 // plain.nc) == 9 and idle_share(9, 4) > IDLE_SHARE
+    assert idle_share(9, 2) == pytest.approx(0.1) and idle_share(36, 8) <= IDLE_SHARE
 
 
 def test_recurrent_input_projection_records_its_gemm_on_its_own_stage():

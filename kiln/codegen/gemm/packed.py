@@ -156,7 +156,9 @@ def _product(ctx: StageCtx, spec: Contraction, uk: MicroKernel,
     bt = math.prod(spec.batch)
     rows, batches = (bt * spec.m, 1) if folded else (spec.m, bt)
     s = ctx.schedule
-    blk = blocking(rows, spec.n, spec.k, batches, uk, s.gemm_mc, s.gemm_nc, s.gemm_kc)
+    # (balanced over thread counts; the convolutions' own GEMMs keep their blocks, unmeasured)
+    blk = blocking(rows, spec.n, spec.k, batches, uk, s.gemm_mc, s.gemm_nc, s.gemm_kc,
+                   balance=True)
     copied_by_tasks = copied_by_tasks and blk.kc * blk.nc * itemsize <= TASK_COPY_BYTES
     if not copied_by_tasks:  # (a task's copy of B stays as small as the schedule's slice)
         blk = replace(blk, kc=_cached_slice(spec.k, blk, itemsize, s.gemm_l2_bytes))
