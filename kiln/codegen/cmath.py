@@ -13,6 +13,9 @@ special values, boundaries, denormals and a sweep of every 251st bit pattern):
   88.72, gradual underflow to denormals and 0 below -87.3 (the scale is applied as two halves so
   that 2^n never leaves the normal range); at most 2 ulp. Inputs whose result is 0 or +inf
   outright (a softmax's masked scores) take it by a select, never by an underflow.
+* exp_flush (a term of 1 + exp(x): sigmoid, SiLU, GELU): exp's polynomial on |x| clamped to 89,
+  scaled once by 2^n with the exponent field stopped at 0: 0 where exp(x) < 2^-126.5, +inf where
+  exp(x) >= 2^127.5, exp's 2 ulp between; float64 uses exp.
 * log: mantissa reduced to [√½, √2) from the bits (denormals scaled first), Cephes' polynomial;
   log(±0) = -inf, log(x<0) = NaN, log(+inf) = +inf; at most 2 ulp.
 * log1p: log(u)·x/(u-1) with u = 1+x (Goldberg's trick), exact for tiny x; at most 3 ulp.
@@ -39,9 +42,15 @@ FUNCTIONS: dict[tuple[str, str], str] = {
     ("log1p", "float32"): "kiln_log1pf",
     ("tanh", "float32"): "kiln_tanhf",
     ("erf", "float32"): "kiln_erff",
+    ("exp_flush", "float32"): "kiln_expf_flush",
     ("exp", "float64"): "kiln_exp",
+    ("exp_flush", "float64"): "kiln_exp",
     ("log", "float64"): "kiln_log",
 }
+# Kiln's own function names, and the libm function that computes each where Kiln's is not used
+# (a GPU language): exp_flush is exp whose results below the normal range may be 0 and above 2^127.5
+# may be +inf, for a term of 1 + exp(x) (sigmoid, SiLU, GELU), which absorbs both.
+STANDS_FOR: dict[str, str] = {"exp_flush": "exp"}
 
 _INLINE = "static inline __attribute__((always_inline))"
 
@@ -83,6 +92,25 @@ _EXPF = f"""{_INLINE} float kiln_expf(float x) {{
   const int32_t k2 = k - k1;
   const float res = (p * kiln_i2f((k1 + 127) << 23)) * kiln_i2f((k2 + 127) << 23);
   return kiln_i2f(kiln_seli(zero, 0, kiln_seli(inf, 0x7f800000, kiln_f2i(res))));
+}}"""
+
+_EXPF_FLUSH = f"""{_INLINE} float kiln_expf_flush(float x) {{
+  /* kiln_expf's reduction and polynomial without its tails: |x| clamped to 89 on the bits (a NaN
+     stays NaN) and 2^n applied as one scaling whose exponent field stops at 0 */
+  const int32_t bits = kiln_f2i(x), mag = bits & 0x7fffffff;
+  const float xc = kiln_i2f(kiln_seli((mag > 0x42b20000) & (mag <= 0x7f800000),
+                                      0x42b20000 | (bits & (int32_t)0x80000000), bits));
+  const float t = xc * 1.44269504088896341f + 12582912.0f;
+  const float n = t - 12582912.0f;
+  const int32_t field = kiln_f2i(t) - 0x4b400000 + 127; /* n + 127, in [-1, 255] */
+  float r = xc - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 8.312523365020752e-3f; /* degree 5, minimax of relative error on [-ln2/2, ln2/2] */
+  p = p * r + 4.1890114545822144e-2f;
+  p = p * r + 1.6667114198207855e-1f;
+  p = p * r + 4.99992311000824e-1f;
+  p = p * (r * r) + r + 1.0f;
+  return p * kiln_i2f((field > 0 ? field : 0) << 23); /* n = 128: +inf */
 }}"""
 
 _LOGF = f"""{_INLINE} float kiln_logf(float x) {{
@@ -231,6 +259,7 @@ _LOG = f"""{_INLINE} double kiln_log(double x) {{
 SOURCES: dict[str, str] = {
     "kiln_bits": _BITS,
     "kiln_expf": _EXPF,
+    "kiln_expf_flush": _EXPF_FLUSH,
     "kiln_logf": _LOGF,
     "kiln_log1pf": _LOG1PF,
     "kiln_tanhf": _TANHF,
@@ -240,6 +269,7 @@ SOURCES: dict[str, str] = {
 }
 DEPENDS: dict[str, tuple[str, ...]] = {
     "kiln_expf": ("kiln_bits",),
+    "kiln_expf_flush": ("kiln_bits",),
     "kiln_logf": ("kiln_bits",),
     "kiln_log1pf": ("kiln_bits", "kiln_logf"),
     "kiln_tanhf": ("kiln_expf",),
@@ -247,6 +277,11 @@ DEPENDS: dict[str, tuple[str, ...]] = {
     "kiln_exp": ("kiln_bits",),
     "kiln_log": ("kiln_bits",),
 }
+
+
+def libm_name(name: str) -> str:
+    """The libm function (double-precision name) that computes `name`."""
+    return STANDS_FOR.get(name, name)
 
 
 def function(name: str, dtype: str) -> str | None:

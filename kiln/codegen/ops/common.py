@@ -60,9 +60,15 @@ def exp(x: Expr) -> Expr:
     return fn("exp", x)
 
 
+def logistic_ratio(numerator: Expr, x: Expr) -> Expr:
+    """numerator / (1 + exp(-x)): sigmoid, SiLU and GELU's tanh form. Their exp is `exp_flush`,
+    whose flushed tails the sum absorbs: exp(-x) below 2^-126 changes no 1 + exp(-x), and +inf
+    stands for a quotient below the normal range."""
+    return div(numerator, add(c(1, x), fn("exp_flush", unary("neg", x))))
+
+
 def sigmoid(x: Expr) -> Expr:
-    one = c(1, x)
-    return div(one, add(one, exp(unary("neg", x))))
+    return logistic_ratio(c(1, x), x)
 
 
 def softplus(x: Expr) -> Expr:

@@ -213,7 +213,7 @@ class CStyleRenderer:
         if own is not None:
             self.math.add(own)
             return f"{own}({', '.join(a)})"
-        fn = e.attr + ("f" if e.dtype == "float32" else "")
+        fn = cmath.libm_name(e.attr) + ("f" if e.dtype == "float32" else "")
         return f"{fn}({', '.join(a)})"
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kiln.codegen import ir
+from kiln.codegen import cmath, ir
 from kiln.codegen.expr import Expr
 from kiln.codegen.kernel import Launch
 from kiln.codegen.microkernel import MicroKernel, register_tile_body
@@ -237,7 +237,8 @@ class GpuRenderer(CStyleRenderer):
         return rule(self, e, a) if rule is not None else super().render(e, a)
 
     def call(self, e: Expr, a: list[str]) -> str:
-        return f"{self.math_names.get(e.attr, e.attr)}({', '.join(a)})"
+        name = cmath.libm_name(e.attr)
+        return f"{self.math_names.get(name, name)}({', '.join(a)})"
 
     def bitcast(self, e: Expr, a: list[str]) -> str:
         raise NotImplementedError
