@@ -9,7 +9,9 @@ from hypothesis import strategies as st
 from onnx import TensorProto, helper
 
 from kiln import frontend
-from tests.codegen.harness import check_model, model, random_inputs, run_graph
+from kiln.codegen import generate
+from kiln.target import target
+from tests.codegen.harness import check_model, model, plan_for, random_inputs, run_graph
 
 SMALL_DIMS = st.sampled_from([1, 2, 3, 5])
 
@@ -187,3 +189,16 @@ def test_logistic_activations_within_a_few_ulp_of_float64():
                                    np.maximum(np.abs(d), 1) * tiny)
             bad = ~(err <= allowed) & ~(np.isnan(y) & np.isnan(ref)) & ~(y == ref)
             assert not bad.any(), (name, out, x[bad][:5], y[bad][:5], ref[bad][:5])
+
+
+@pytest.mark.parametrize("gpu", ["opencl", "cuda"])
+def test_gpu_languages_spell_kilns_own_functions_with_libms(gpu):
+    """exp_flush and gelu_erf are Kiln's C; a GPU language gets exp and erf instead."""
+    spec = {"x": ((4, 8), "float32")}
+    nodes = [helper.make_node("Sigmoid", ["x"], ["s"]),
+             helper.make_node("Gelu", ["x"], ["g0"]),
+             helper.make_node("Gelu", ["x"], ["g1"], approximate="tanh")]
+    graph = frontend.build(model(nodes, spec, ["s", "g0", "g1"], opset=20), {}, "test")
+    source = "\n".join(k.source for k in generate(plan_for(graph, "dnnfusion"), target(gpu)))
+    assert "exp(" in source and "erf(" in source
+    assert "exp_flush" not in source and "gelu_erf" not in source and "kiln_expf" not in source

@@ -213,7 +213,10 @@ class CStyleRenderer:
         if own is not None:
             self.math.add(own)
             return f"{own}({', '.join(a)})"
-        fn = cmath.libm_name(e.attr) + ("f" if e.dtype == "float32" else "")
+        libm = cmath.in_libm_terms(e)
+        if libm is not e:
+            return self.expr(libm)
+        fn = e.attr + ("f" if e.dtype == "float32" else "")
         return f"{fn}({', '.join(a)})"
 
 

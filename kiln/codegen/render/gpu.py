@@ -237,8 +237,10 @@ class GpuRenderer(CStyleRenderer):
         return rule(self, e, a) if rule is not None else super().render(e, a)
 
     def call(self, e: Expr, a: list[str]) -> str:
-        name = cmath.libm_name(e.attr)
-        return f"{self.math_names.get(name, name)}({', '.join(a)})"
+        libm = cmath.in_libm_terms(e)
+        if libm is not e:
+            return self.expr(libm)
+        return f"{self.math_names.get(e.attr, e.attr)}({', '.join(a)})"
 
     def bitcast(self, e: Expr, a: list[str]) -> str:
         raise NotImplementedError
