@@ -13,6 +13,9 @@ special values, boundaries, denormals and a sweep of every 251st bit pattern):
   88.72, gradual underflow to denormals and 0 below -87.3 (the scale is applied as two halves so
   that 2^n never leaves the normal range); at most 2 ulp. Inputs whose result is 0 or +inf
   outright (a softmax's masked scores) take it by a select, never by an underflow.
+* exp_flush (a term of 1 + exp(x): sigmoid, SiLU, GELU): exp's polynomial on |x| clamped to 89,
+  scaled once by 2^n with the exponent field stopped at 0: 0 where exp(x) < 2^-126.5, +inf where
+  exp(x) >= 2^127.5, exp's 2 ulp between; float64 uses exp.
 * log: mantissa reduced to [√½, √2) from the bits (denormals scaled first), Cephes' polynomial;
   log(±0) = -inf, log(x<0) = NaN, log(+inf) = +inf; at most 2 ulp.
 * log1p: log(u)·x/(u-1) with u = 1+x (Goldberg's trick), exact for tiny x; at most 3 ulp.
@@ -20,6 +23,9 @@ special values, boundaries, denormals and a sweep of every 251st bit pattern):
 * erf: x·P(x²)/Q(x²) on x clamped to [-4, 4] (erf rounds to ±1 beyond), the rational
   approximation XLA and Eigen use (product taken as x·(P/Q), exact for denormals); at most
   6 ulp (3.4e-7 absolute, next to ±1).
+* gelu_erf, x·Φ(x) with Φ(x) = 0.5·(1 + erf(x/√2)): erf's rational with the 1/√2 and the 0.5
+  folded into its coefficients, Φ clamped to [0, 1] on the bits; within 4 ulp, or |x|·2^-22
+  for x < 0 (Φ's absolute error, as x·0.5·(1 + erf) has it).
 * float64 exp and log: the same reductions with Cephes' double-precision rational
   approximations; at most 2 ulp. Other float64 functions stay libm calls.
 
@@ -32,6 +38,10 @@ in the kernel source, so kernels concatenated into one file still compile.
 """
 from __future__ import annotations
 
+import math
+
+from kiln.codegen.expr import Expr, binary, call, const
+
 # C name of each function by (libm name, dtype). The emitter uses these instead of libm calls.
 FUNCTIONS: dict[tuple[str, str], str] = {
     ("exp", "float32"): "kiln_expf",
@@ -39,10 +49,12 @@ FUNCTIONS: dict[tuple[str, str], str] = {
     ("log1p", "float32"): "kiln_log1pf",
     ("tanh", "float32"): "kiln_tanhf",
     ("erf", "float32"): "kiln_erff",
+    ("gelu_erf", "float32"): "kiln_gelu_erff",
+    ("exp_flush", "float32"): "kiln_expf_flush",
     ("exp", "float64"): "kiln_exp",
+    ("exp_flush", "float64"): "kiln_exp",
     ("log", "float64"): "kiln_log",
 }
-
 _INLINE = "static inline __attribute__((always_inline))"
 
 _BITS = f"""{_INLINE} int32_t kiln_f2i(float f) {{ int32_t i; memcpy(&i, &f, 4); return i; }}
@@ -83,6 +95,25 @@ _EXPF = f"""{_INLINE} float kiln_expf(float x) {{
   const int32_t k2 = k - k1;
   const float res = (p * kiln_i2f((k1 + 127) << 23)) * kiln_i2f((k2 + 127) << 23);
   return kiln_i2f(kiln_seli(zero, 0, kiln_seli(inf, 0x7f800000, kiln_f2i(res))));
+}}"""
+
+_EXPF_FLUSH = f"""{_INLINE} float kiln_expf_flush(float x) {{
+  /* kiln_expf's reduction and polynomial without its tails: |x| clamped to 89 on the bits (a NaN
+     stays NaN) and 2^n applied as one scaling whose exponent field stops at 0 */
+  const int32_t bits = kiln_f2i(x), mag = bits & 0x7fffffff;
+  const float xc = kiln_i2f(kiln_seli((mag > 0x42b20000) & (mag <= 0x7f800000),
+                                      0x42b20000 | (bits & (int32_t)0x80000000), bits));
+  const float t = xc * 1.44269504088896341f + 12582912.0f;
+  const float n = t - 12582912.0f;
+  const int32_t field = kiln_f2i(t) - 0x4b400000 + 127; /* n + 127, in [-1, 255] */
+  float r = xc - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 8.312523365020752e-3f; /* degree 5, minimax of relative error on [-ln2/2, ln2/2] */
+  p = p * r + 4.1890114545822144e-2f;
+  p = p * r + 1.6667114198207855e-1f;
+  p = p * r + 4.99992311000824e-1f;
+  p = p * (r * r) + r + 1.0f;
+  return p * kiln_i2f((field > 0 ? field : 0) << 23); /* n = 128: +inf */
 }}"""
 
 _LOGF = f"""{_INLINE} float kiln_logf(float x) {{
@@ -166,6 +197,33 @@ _ERFF = f"""{_INLINE} float kiln_erff(float x) {{
   return kiln_i2f(kiln_seli((rmag > 0x3f800000) & (rmag <= 0x7f800000), 0x3f800000 | sign, rbits));
 }}"""
 
+_GELU_ERFF = f"""{_INLINE} float kiln_gelu_erff(float x) {{
+  /* x·Φ(x) with Φ(x) = 0.5·(1 + erf(x/√2)) = 0.5 + xc·P(xc²)/Q(xc²): kiln_erff's rational at
+     x/√2 with the 1/√2 and the 0.5 folded into its coefficients; |x| clamped to 4√2 on the bits
+     (erf is ±1 beyond; a NaN stays NaN) */
+  const int32_t bits = kiln_f2i(x), mag = bits & 0x7fffffff;
+  const float xc = kiln_i2f(kiln_seli((mag > 0x40b504f3) & (mag <= 0x7f800000),
+                                      0x40b504f3 | (bits & (int32_t)0x80000000), bits));
+  const float z = xc * xc;
+  float p = -1.50599509e-12f;
+  p = p * z + 3.06119935e-10f;
+  p = p * z - 4.64265106e-08f;
+  p = p * z - 2.51575625e-06f;
+  p = p * z - 6.49646099e-05f;
+  p = p * z - 0.000522304385f;
+  p = p * z - 0.00569080701f;
+  float q = -9.1037947e-07f;
+  q = q * z - 2.66717561e-05f;
+  q = q * z - 0.000420706754f;
+  q = q * z - 0.00368666463f;
+  q = q * z - 0.0142647391f;
+  /* Φ clamped to [0, 1] on the bits (the rational's last ulp may leave it): GELU(x) = x beyond
+     4√2, -0 below -4√2, and GELU(-inf) = -inf·0 = NaN as x·0.5·(1 + erf) gives */
+  const int32_t phi = kiln_f2i(0.5f + xc * (p / q));
+  const int32_t nonnegative = phi & ~(phi >> 31);
+  return x * kiln_i2f(nonnegative < 0x3f800000 ? nonnegative : 0x3f800000);
+}}"""
+
 _EXP = f"""{_INLINE} double kiln_exp(double x) {{
   /* clamp to [-746, 710] on the bits (a NaN stays NaN) */
   const int64_t bits = kiln_d2i(x), mag = bits & 0x7fffffffffffffffLL;
@@ -231,22 +289,40 @@ _LOG = f"""{_INLINE} double kiln_log(double x) {{
 SOURCES: dict[str, str] = {
     "kiln_bits": _BITS,
     "kiln_expf": _EXPF,
+    "kiln_expf_flush": _EXPF_FLUSH,
     "kiln_logf": _LOGF,
     "kiln_log1pf": _LOG1PF,
     "kiln_tanhf": _TANHF,
     "kiln_erff": _ERFF,
+    "kiln_gelu_erff": _GELU_ERFF,
     "kiln_exp": _EXP,
     "kiln_log": _LOG,
 }
 DEPENDS: dict[str, tuple[str, ...]] = {
     "kiln_expf": ("kiln_bits",),
+    "kiln_expf_flush": ("kiln_bits",),
     "kiln_logf": ("kiln_bits",),
     "kiln_log1pf": ("kiln_bits", "kiln_logf"),
     "kiln_tanhf": ("kiln_expf",),
     "kiln_erff": ("kiln_bits",),
+    "kiln_gelu_erff": ("kiln_bits",),
     "kiln_exp": ("kiln_bits",),
     "kiln_log": ("kiln_bits",),
 }
+
+
+def in_libm_terms(e: Expr) -> Expr:
+    """A call of one of Kiln's own functions in libm's, for a renderer (a GPU language) or dtype
+    without Kiln's C; any other expression as it stands. exp_flush is exp whose results below the
+    normal range may be 0 and above 2^127.5 +inf (a term of 1 + exp(x), which absorbs both);
+    gelu_erf is GELU, 0.5·x·(1 + erf(x/√2))."""
+    if e.op != "call" or e.attr not in ("exp_flush", "gelu_erf"):
+        return e
+    x = e.args[0]
+    if e.attr == "exp_flush":
+        return call("exp", e.dtype, x)
+    erf = call("erf", e.dtype, binary("mul", x, const(math.sqrt(0.5), e.dtype)))
+    return binary("mul", binary("mul", const(0.5, e.dtype), x), binary("add", const(1, e.dtype), erf))
 
 
 def function(name: str, dtype: str) -> str | None:

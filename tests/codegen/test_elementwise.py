@@ -8,7 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper
 
-from tests.codegen.harness import check_model, model, random_inputs
+from kiln import frontend
+from kiln.codegen import generate
+from kiln.target import target
+from tests.codegen.harness import check_model, model, plan_for, random_inputs, run_graph
 
 SMALL_DIMS = st.sampled_from([1, 2, 3, 5])
 
@@ -137,3 +140,65 @@ def test_bool_output_dtype_is_exact():
     nodes = [helper.make_node("Cast", ["x"], ["b"], to=TensorProto.BOOL)]
     check_model(model(nodes, spec, ["b"]), {"x": np.array([0, -0.0, 1, np.nan, 2], np.float32)},
                 ["none"])
+
+
+def _logistic_inputs() -> np.ndarray:
+    """Special values, the tails where exp(-x) or its reciprocal leaves the normal range, and a
+    dense sweep of the range activations see."""
+    rng = np.random.default_rng(3)
+    special = [np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-30, -1e-30, 1e-45, -1e-45, 1e-8, -1e-8,
+               0.5, -0.5, 4.0, -4.0, 10.0, -10.0, 10.6, -10.6, 11.0, -11.0, 17.0, -17.0, 20.0,
+               -20.0, 87.0, -87.0, 87.3, -87.3, 87.5, -87.5, 88.0, -88.0, 88.5, -88.5, 88.8,
+               -88.8, 89.5, -89.5, 104.0, -104.0, 1e4, -1e4, 1e13, -1e13, 3e38, -3e38]
+    dense = rng.uniform(-1, 1, 20_000) * 12
+    wide = rng.uniform(-1, 1, 4_000) * 100
+    small = rng.uniform(-1, 1, 2_000) * 1e-3
+    return np.concatenate([special, dense, wide, small]).astype(np.float32)
+
+
+def test_logistic_activations_within_a_few_ulp_of_float64():
+    """Sigmoid, SiLU (Sigmoid then Mul, and Swish) and GELU's tanh form, x / (1 + exp(-2u)), are
+    within 4 ulp of float64 where the result is normal, plus for GELU 3 ulp per unit of |2u|
+    (2u is rounded in float32, and exp turns its absolute error into the result's relative
+    error). Where the logistic factor leaves the normal range, within |x|·2^-126 (exp_flush's
+    tails). NaN and infinities as in float64."""
+    x = _logistic_inputs()
+    spec = {"x": ((x.size,), "float32")}
+    nodes = [helper.make_node("Sigmoid", ["x"], ["s"]),
+             helper.make_node("Mul", ["x", "s"], ["silu"]),
+             helper.make_node("Swish", ["x"], ["swish"]),
+             helper.make_node("Gelu", ["x"], ["gelu"], approximate="tanh")]
+    outputs = ["s", "silu", "swish", "gelu"]
+    graph = frontend.build(model(nodes, spec, outputs, opset=24), {}, "test")
+    d = x.astype(np.float64)
+    with np.errstate(all="ignore"):
+        sig = 1 / (1 + np.exp(-d))
+        twice_u = 2 * np.sqrt(2 / np.pi) * (d + 0.044715 * d ** 3)
+        want = {"s": sig, "silu": d * sig, "swish": d * sig, "gelu": d / (1 + np.exp(-twice_u))}
+    rounded_argument = {"s": 0, "silu": 0, "swish": 0, "gelu": np.abs(twice_u)}
+    tiny = float(np.finfo(np.float32).tiny)
+    for name in ("none", "dnnfusion"):
+        got = dict(zip(outputs, run_graph(graph, name, {"x": x})))
+        for out, ref in want.items():
+            y = got[out].astype(np.float64)
+            spacing = np.spacing(np.abs(ref.astype(np.float32))).astype(np.float64)
+            with np.errstate(all="ignore"):
+                err = np.abs(y - ref)
+                allowed = np.where(np.abs(ref) >= tiny * np.maximum(np.abs(d), 1),
+                                   (4 + 3 * rounded_argument[out]) * spacing,
+                                   np.maximum(np.abs(d), 1) * tiny)
+            bad = ~(err <= allowed) & ~(np.isnan(y) & np.isnan(ref)) & ~(y == ref)
+            assert not bad.any(), (name, out, x[bad][:5], y[bad][:5], ref[bad][:5])
+
+
+@pytest.mark.parametrize("gpu", ["opencl", "cuda"])
+def test_gpu_languages_spell_kilns_own_functions_with_libms(gpu):
+    """exp_flush and gelu_erf are Kiln's C; a GPU language gets exp and erf instead."""
+    spec = {"x": ((4, 8), "float32")}
+    nodes = [helper.make_node("Sigmoid", ["x"], ["s"]),
+             helper.make_node("Gelu", ["x"], ["g0"]),
+             helper.make_node("Gelu", ["x"], ["g1"], approximate="tanh")]
+    graph = frontend.build(model(nodes, spec, ["s", "g0", "g1"], opset=20), {}, "test")
+    source = "\n".join(k.source for k in generate(plan_for(graph, "dnnfusion"), target(gpu)))
+    assert "exp(" in source and "erf(" in source
+    assert "exp_flush" not in source and "gelu_erf" not in source and "kiln_expf" not in source

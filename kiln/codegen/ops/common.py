@@ -60,9 +60,16 @@ def exp(x: Expr) -> Expr:
     return fn("exp", x)
 
 
+def logistic_ratio(numerator: Expr, exponent: Expr) -> Expr:
+    """numerator / (1 + exp(exponent)): sigmoid, SiLU and GELU's tanh form, the exponent given
+    negated (a constant factor takes the sign). Their exp is `exp_flush`, whose flushed tails the
+    sum absorbs: exp below 2^-126 changes no 1 + exp, and +inf stands for a quotient below the
+    normal range."""
+    return div(numerator, add(c(1, exponent), fn("exp_flush", exponent)))
+
+
 def sigmoid(x: Expr) -> Expr:
-    one = c(1, x)
-    return div(one, add(one, exp(unary("neg", x))))
+    return logistic_ratio(c(1, x), unary("neg", x))
 
 
 def softplus(x: Expr) -> Expr:

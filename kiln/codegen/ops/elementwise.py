@@ -29,7 +29,8 @@ from kiln.codegen.expr import (
 from kiln.codegen.expr import add as iadd
 from kiln.codegen.indexing import Index, broadcast
 from kiln.codegen.contexts import InlineCtx
-from kiln.codegen.ops.common import add, c, clip01, cmp, div, exp, fn, maximum, minimum, mul, sigmoid, softplus, sub
+from kiln.codegen.ops.common import (add, c, clip01, cmp, div, exp, fn, logistic_ratio, maximum, minimum,
+                                     mul, sigmoid, softplus, sub)
 from kiln.codegen.ops.registry import inline
 from kiln.ecg import Graph, Op
 
@@ -97,13 +98,14 @@ def _unary_formula(ctx: InlineCtx, x: Expr) -> Expr:
         return add(maximum(c(0, x), x), minimum(c(0, x), negative))
     if t == "Gelu":
         if a("approximate", "none") == "tanh":
-            inner = mul(c(math.sqrt(2 / math.pi), x), add(x, mul(c(0.044715, x), mul(x, mul(x, x)))))
-            return mul(mul(c(0.5, x), x), add(c(1, x), fn("tanh", inner)))
-        return mul(mul(c(0.5, x), x), add(c(1, x), fn("erf", mul(x, c(math.sqrt(0.5), x)))))
+            # 0.5·(1 + tanh(u)) = 1 / (1 + exp(-2u)): one exp and one divide
+            cubic = add(x, mul(c(0.044715, x), mul(x, mul(x, x))))
+            return logistic_ratio(x, mul(c(-2 * math.sqrt(2 / math.pi), x), cubic))
+        return fn("gelu_erf", x)
     if t == "Mish":
         return mul(x, fn("tanh", softplus(x)))
     if t == "Swish":
-        return mul(x, sigmoid(mul(c(a("alpha", 1.0), x), x)))
+        return logistic_ratio(x, mul(c(-a("alpha", 1.0), x), x))
     if t == "Shrink":
         bias, lambd = c(a("bias", 0.0), x), c(a("lambd", 0.5), x)
         return select(cmp("lt", x, unary("neg", lambd)), add(x, bias),
@@ -284,7 +286,7 @@ def _lrn(ctx: InlineCtx, index: Index) -> Expr:
 @inline("SwiGLU", check=floats_only)
 def _swiglu(ctx: InlineCtx, index: Index) -> Expr:
     a, b = ctx.input(0, index), ctx.input(1, index)
-    return mul(mul(a, sigmoid(mul(c(ctx.attr("alpha", 1.0), a), a))), b)
+    return mul(logistic_ratio(a, mul(c(-ctx.attr("alpha", 1.0), a), a)), b)
 
 
 def _same_width(op: Op, graph: Graph) -> str | None:

@@ -213,6 +213,9 @@ class CStyleRenderer:
         if own is not None:
             self.math.add(own)
             return f"{own}({', '.join(a)})"
+        libm = cmath.in_libm_terms(e)
+        if libm is not e:
+            return self.expr(libm)
         fn = e.attr + ("f" if e.dtype == "float32" else "")
         return f"{fn}({', '.join(a)})"
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kiln.codegen import ir
+from kiln.codegen import cmath, ir
 from kiln.codegen.expr import Expr
 from kiln.codegen.kernel import Launch
 from kiln.codegen.microkernel import MicroKernel, register_tile_body
@@ -237,6 +237,9 @@ class GpuRenderer(CStyleRenderer):
         return rule(self, e, a) if rule is not None else super().render(e, a)
 
     def call(self, e: Expr, a: list[str]) -> str:
+        libm = cmath.in_libm_terms(e)
+        if libm is not e:
+            return self.expr(libm)
         return f"{self.math_names.get(e.attr, e.attr)}({', '.join(a)})"
 
     def bitcast(self, e: Expr, a: list[str]) -> str:
