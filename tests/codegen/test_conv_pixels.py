@@ -1,9 +1,10 @@
 """The direct conv with output pixels as rows and output channels in the vector lanes
 (kiln.codegen.ops.conv_pixels) against onnxruntime: 7 × 7 and 14 × 14 images, groups of 16 to 64
-channels, uneven pads, batches, pixel counts that are not whole tiles, channels that are not
-whole panels, sums in several slices, bias and ReLU or Clip in registers, a residual added in a
-pass of its own, float64 against the ONNX reference; the micro-kernel's source for every ISA and
-what it computes; the cost model's choice."""
+channels (the input copied whole or by the tasks, a window of grid rows each), uneven pads,
+batches, pixel counts that are not whole tiles, channels that are not whole panels, sums in
+several slices, bias and ReLU or Clip in registers, a residual added in a pass of its own,
+float64 against the ONNX reference; the micro-kernel's source for every ISA and what it
+computes; the cost model's choice."""
 from __future__ import annotations
 
 import ctypes
@@ -87,6 +88,8 @@ def test_pixel_rows_conv_matches_onnxruntime(case):
     assert stages, "the conv did not run with pixels as rows"
     in_registers = tail in ("relu", "clip", "none")
     assert stages[0]["epilogue"] == ("in registers" if in_registers else "a pass of its own")
+    if group > 2:  # each task copies the window of the grid its pixels read
+        assert stages[0]["input_copy"] == "by the tasks"
 
 
 @pytest.mark.parametrize("tail", ["relu", "residual"])
