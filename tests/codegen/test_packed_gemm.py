@@ -326,9 +326,12 @@ def test_gemm_transposed_weights_alpha_beta():
 
 @pytest.mark.parametrize("spatial,strides,pads,group,dil,winograd,form", [
     ((9, 11), (1, 1), (1, 1, 1, 1), 1, (1, 1), True, "Winograd F(2x2, 3x3)"),
-    ((9, 11), (1, 1), (1, 1, 1, 1), 1, (1, 1), False, "direct GEMM"),
+    ((9, 22), (1, 1), (1, 1, 1, 1), 1, (1, 1), False, "direct GEMM"),
+    # on 9 × 11 the direct kernel's grid holds 117 pixels for 99: pixels as rows
+    ((9, 11), (1, 1), (1, 1, 1, 1), 1, (1, 1), False, "direct, pixels as rows"),
     ((9, 11), (2, 2), (0, 1, 1, 0), 1, (1, 1), True, "direct GEMM"),
-    ((9, 11), (1, 1), (2, 2, 2, 2), 2, (2, 2), True, "direct GEMM"),
+    ((5, 60), (1, 1), (2, 2, 2, 2), 2, (2, 2), True, "direct GEMM"),
+    ((9, 11), (1, 1), (2, 2, 2, 2), 2, (2, 2), True, "direct, pixels as rows"),
     ((21,), (2,), (1, 2), 1, (1,), True, "packed"),  # 1-D: the implicit GEMM
     ((5, 6, 7), (1, 2, 1), (1, 0, 1, 1, 1, 0), 2, (1, 1, 2), True, "packed"),  # 3-D likewise
 ])

@@ -7,6 +7,10 @@ Conv picks its loop nest from the shape:
   ones as a direct conv, a GEMM that reads its B operand in place from a zero-padded,
   stride-phase-split copy of the input (`conv_direct`: no im2col; stems, strided and dilated
   convs included); the rest as an implicit GEMM whose B packing does the im2col;
+* a 2-D conv whose direct kernel would waste many products on a small image (the phase grid's
+  columns past the output's, the last panel's: 7 × 7 and 14 × 14, grouped or not) runs as the
+  direct kernel's mirror, output pixels as rows and channels in the vector lanes, reading the
+  same padded copy in place (`conv_pixels`), when its cost model says so;
 * a conv onto few pixels with many output channels (a late stage's 7 × 7 image, 1 × 1 or
   not) runs as the transposed GEMM instead, pixels as rows, when that wastes less of the
   micro-tile (`_pixels_as_rows`), its epilogue in a pass of its own along the pixels;
@@ -54,7 +58,6 @@ from kiln.codegen.expr import (
     imin,
     imul,
     index_compare,
-    load,
     local,
     logical_and,
     make,
@@ -76,6 +79,12 @@ from kiln.codegen.ops.conv_direct import (
     direct_applies,
     direct_columns,
     direct_conv,
+)
+from kiln.codegen.ops.conv_pixels import (
+    epilogue_pass,
+    pixel_rows_applies,
+    pixel_rows_conv,
+    pixel_rows_wins,
 )
 from kiln.codegen.ops.conv_winograd import winograd_conv, winograd_tile_size
 from kiln.codegen.ops.conv_window import (
@@ -165,13 +174,7 @@ def conv_stage(ctx: StageCtx, weight: int, operands: Callable[[str, bool], ConvO
         if tile := winograd_tile_size(ctx, geometry, group, ops.acc_dtype):
             winograd_conv(ctx, geometry, w_shape, ops, in_shape, tile)
         elif direct_applies(ctx, geometry, ops.acc_dtype):
-            if _pixels_as_rows(ctx, ops.acc_dtype, w_shape[0] // group,
-                               math.prod(geometry.out_size), w_shape[1] * math.prod(w_shape[2:]),
-                               lambda nr: direct_columns(geometry, nr)):
-                _pixel_rows_gemm(ctx, geometry, w_shape, ops, group)
-            else:
-                direct_conv(ctx, geometry, w_shape, ops, group, in_shape,
-                            im2col(geometry, ops, in_shape, in_shape[1] // group))
+            _direct_gemm(ctx, geometry, w_shape, ops, group, in_shape)
         else:
             _implicit_gemm(ctx, geometry, w_shape, ops, group)
     else:
@@ -180,6 +183,25 @@ def conv_stage(ctx: StageCtx, weight: int, operands: Callable[[str, bool], ConvO
             depthwise_plane(ctx, geometry, w_shape, ops, group, in_shape)
         elif not _depthwise_conv(ctx, geometry, w_shape, ops, group):
             _direct_conv(ctx, geometry, w_shape, ops, group)
+
+
+def _direct_gemm(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: ConvOperands,
+                 group: int, in_shape: tuple[int, ...]) -> None:
+    """A 2-D float conv as a GEMM over the input in place or packed per call: the direct kernel
+    with pixels as rows where it wastes less than the one with pixels as columns
+    (`conv_pixels`); else the transposed GEMM with the im2col packed when few pixels waste the
+    direct kernel's tiles (`_pixels_as_rows`); else the direct kernel (`conv_direct`)."""
+    mg = w_shape[0] // group
+    if (pixel_rows_applies(ctx, w, mg, ops.acc_dtype)
+            and pixel_rows_wins(ctx, w, mg, ops.acc_dtype)
+            and pixel_rows_conv(ctx, w, w_shape, ops, group, in_shape)):
+        return
+    if _pixels_as_rows(ctx, ops.acc_dtype, mg, math.prod(w.out_size),
+                       w_shape[1] * math.prod(w_shape[2:]), lambda nr: direct_columns(w, nr)):
+        _pixel_rows_gemm(ctx, w, w_shape, ops, group)
+    else:
+        direct_conv(ctx, w, w_shape, ops, group, in_shape,
+                    im2col(w, ops, in_shape, in_shape[1] // group))
 
 
 def _implicit_gemm(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: ConvOperands,
@@ -286,15 +308,7 @@ def _by_pixels(ctx: StageCtx, ops: ConvOperands, batch: tuple[int, ...],
         batch, pixels, channels, reduction, *operand_batches, a_at, b_at,
         lambda b, i, j: Index(out.shape, flat=at(b, i, j)), lambda total, b, i, j: total,
         ops.acc_dtype, store=lambda b, i, j, value: [ir.Store(sums, at(b, i, j), value)]))
-    planes = out.numel // pixels
-    p, x = ctx.var("p", planes), ctx.var("x", pixels)
-    total = ops.finish(load(sums, ops.acc_dtype, add(mul(p, pixels), x)),
-                       modulo(p, out.shape[1]))
-    stores = ctx.results({0: (Index(out.shape, flat=add(mul(p, pixels), x)), total)})
-    ctx.stage(f"bias and epilogue of {ctx.op.id}",
-              [ir.Loop(p, iconst(0), iconst(planes), [ir.Loop(x, iconst(0), iconst(pixels),
-                                                               stores, simd=True)],
-                       parallel=1)], out.numel)
+    epilogue_pass(ctx, ops, sums, pixels)
 
 
 def im2col(w: Window, ops: ConvOperands, in_shape: tuple[int, ...], cg: int) -> BOperand:

@@ -313,14 +313,16 @@ class TaskWindow:
 
 
 def _task_window(name: str, w: Window, grid: PhaseGrid, blk: Blocking, taps: int,
-                 k_total: int) -> TaskWindow:
+                 k_total: int, output_rows: int = 0) -> TaskWindow:
     """The window of the copy a task of `blk.nc` grid pixels reads per slice of `blk.kc`: from
     pixel j0 − (j0 mod wq) of its first grid row, up to nc + wq pixels plus the taps' largest
     row shift (and a column shift under wq) below. A row of B past a plane's end reads the next
-    plane (or the tail) only for pixels dropped from the output."""
+    plane (or the tail) only for pixels dropped from the output. `output_rows`: a task's pixels
+    span at most so many grid rows (instead of those nc pixels from any column can)."""
     (kh, _), (sh, _), (dh, _) = w.kernel, w.strides, w.dilations
     wq = grid.wq
-    plane_rows = (blk.nc + 2 * wq - 2) // wq + (kh - 1) * dh // sh + 1
+    spanned = output_rows or (blk.nc + 2 * wq - 2) // wq + 1
+    plane_rows = spanned + (kh - 1) * dh // sh
     window, offsets = _phase_grid(w, grid.channels, 1, plane_rows)
     slices = range(0, k_total, blk.kc)
     first = np.array([k0 // taps for k0 in slices])

@@ -1,0 +1,193 @@
+"""The direct conv with output pixels as rows and output channels in the vector lanes
+(kiln.codegen.ops.conv_pixels) against onnxruntime: 7 × 7 and 14 × 14 images, groups of 16 to 64
+channels (the input copied whole or by the tasks, a window of grid rows each), uneven pads,
+batches, pixel counts that are not whole tiles, channels that are not whole panels, sums in
+several slices, bias and ReLU or Clip in registers, a residual added in a pass of its own,
+float64 against the ONNX reference; the micro-kernel's source for every ISA and what it
+computes; the cost model's choice."""
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+from onnx import helper
+from onnx.reference import ReferenceEvaluator
+
+from kiln import frontend
+from kiln.codegen import generate
+from kiln.codegen.microkernel import MicroKernel, TileEpilogue, vector_extension_source
+from kiln.codegen.ops.conv_pixels import pixel_rows_wins
+from kiln.codegen.ops.conv_window import Window
+from kiln.codegen.schedule import Schedule
+from kiln.target import host_target
+from tests.codegen.harness import (
+    assert_matches,
+    model,
+    plan_for,
+    random_inputs,
+    reference,
+    run_kernels,
+)
+
+FORM = "direct, pixels as rows"
+
+
+def _conv_model(n, cin, size, cout, kernel, group, pads, tail, dtype="float32", seed=3):
+    rng = np.random.default_rng(seed)
+    h, w = size
+    oh = h + pads[0] + pads[2] - kernel + 1
+    ow = w + pads[1] + pads[3] - kernel + 1
+    spec = {"x": ((n, cin, h, w), dtype)}
+    constants = {"w": rng.standard_normal((cout, cin // group, kernel, kernel)).astype(dtype),
+                 "b": rng.standard_normal(cout).astype(dtype)}
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], kernel_shape=[kernel, kernel],
+                              pads=list(pads), group=group)]
+    if tail == "relu":
+        nodes.append(helper.make_node("Relu", ["c"], ["y"]))
+    elif tail == "clip":
+        constants.update(lo=np.array(-0.5, dtype), hi=np.array(1.5, dtype))
+        nodes.append(helper.make_node("Clip", ["c", "lo", "hi"], ["y"]))
+    elif tail == "residual":
+        spec["r"] = ((n, cout, oh, ow), dtype)
+        nodes += [helper.make_node("Add", ["c", "r"], ["s"]),
+                  helper.make_node("Relu", ["s"], ["y"])]
+    else:
+        nodes.append(helper.make_node("Identity", ["c"], ["y"]))
+    return model(nodes, spec, ["y"], constants), spec
+
+
+def _run(onnx_model, spec, schedule: Schedule | None = None, want=None):
+    inputs = random_inputs(spec)
+    graph = frontend.build(onnx_model, {}, "t")
+    plan = plan_for(graph, "dnnfusion")
+    kernels = generate(plan, host_target(), schedule)
+    values = run_kernels(plan, kernels, dict(zip(graph.inputs, inputs.values())))
+    want = want(inputs) if want else reference(onnx_model, inputs)
+    assert_matches([values[t] for t in graph.outputs], want)
+    return [s for k in kernels for s in k.schedule["stages"] if s.get("form") == FORM]
+
+
+CASES = [  # (batch, in channels, image, out channels, kernel, groups, pads, tail)
+    (1, 64, (7, 7), 64, 5, 1, (2, 2, 2, 2), "relu"),  # (3 × 3 ones run as Winograd)
+    (2, 128, (7, 7), 128, 3, 2, (1, 1, 1, 1), "relu"),
+    (1, 272, (7, 7), 272, 3, 17, (1, 1, 1, 1), "clip"),  # 16 channels a group
+    (1, 192, (14, 14), 192, 3, 3, (1, 1, 1, 1), "relu"),  # 64 a group, 196 pixels
+    (2, 64, (5, 9), 40, 3, 1, (1, 1, 1, 1), "none"),  # 45 pixels, panels of 16, 16, 8
+    (1, 48, (7, 7), 48, 5, 1, (2, 1, 2, 3), "relu"),  # uneven pads: 7 × 8 outputs
+    (2, 256, (7, 7), 256, 3, 8, (1, 1, 1, 1), "residual"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c[1:6])) + c[7])
+def test_pixel_rows_conv_matches_onnxruntime(case):
+    n, cin, size, cout, kernel, group, pads, tail = case
+    stages = _run(*_conv_model(n, cin, size, cout, kernel, group, pads, tail))
+    assert stages, "the conv did not run with pixels as rows"
+    in_registers = tail in ("relu", "clip", "none")
+    assert stages[0]["epilogue"] == ("in registers" if in_registers else "a pass of its own")
+    if group > 2:  # each task copies the window of the grid its pixels read
+        assert stages[0]["input_copy"] == "by the tasks"
+
+
+@pytest.mark.parametrize("tail", ["relu", "residual"])
+def test_sum_in_several_slices(tail):
+    """Slices of the sum 7 long (partial sums kept in the task's tile, the epilogue and the
+    transposed store on the last one only), blocks of two tiles each way."""
+    schedule = Schedule(vector_bytes=32, gemm_mr=6, gemm_nr=16, gemm_mc=12, gemm_nc=32,
+                        gemm_kc=7, gemm_l2_bytes=0)
+    stages = _run(*_conv_model(2, 96, (7, 7), 96, 3, 2, (1, 1, 1, 1), tail), schedule)
+    assert stages and stages[0]["kc"] == 7
+
+
+def test_float64_matches_the_reference():
+    onnx_model, spec = _conv_model(1, 128, (7, 7), 128, 3, 2, (1, 0, 1, 2), "relu", "float64")
+    stages = _run(onnx_model, spec,
+                  want=lambda inputs: ReferenceEvaluator(onnx_model).run(None, inputs))
+    assert stages
+
+
+def _window(size: int, kernel: int, stride: int) -> Window:
+    out = (size + 2 * (kernel // 2) - kernel) // stride + 1
+    return Window((size, size), (out, out), (kernel, kernel), (stride, stride), (1, 1),
+                  (kernel // 2,) * 2, (kernel // 2,) * 2)
+
+
+@pytest.mark.parametrize("size,kernel,stride,channels,wins", [
+    (7, 3, 1, 64, True),  # the direct kernel computes 64 columns for 49 pixels
+    (14, 3, 1, 64, True),
+    (7, 5, 1, 512, True),
+    (28, 3, 1, 64, False),  # 840 columns for 784 pixels
+    (56, 3, 1, 64, False),
+    (14, 3, 2, 64, False),  # four phase planes under each tile's broadcasts
+    (28, 3, 2, 512, False),
+    (14, 1, 2, 512, False),  # a new plane at every step of the sum
+    (7, 1, 1, 512, False),
+])
+def test_cost_model(size, kernel, stride, channels, wins):
+    class Ctx:
+        schedule = Schedule(vector_bytes=32, gemm_mr=6, gemm_nr=16)
+    assert pixel_rows_wins(Ctx(), _window(size, kernel, stride), channels, "float32") == wins
+
+
+EPILOGUE = TileEpilogue(("max", ("add", ("total",), ("operand", 0)), ("const", 0.0)),
+                        ((0, 1),))
+
+
+@pytest.mark.parametrize("compiler,flags,vector_bytes,mr,nr", [
+    ("gcc", ("-mavx2", "-mfma"), 32, 6, 16),
+    ("gcc", ("-mavx512f",), 64, 8, 48),
+    ("gcc", (), 16, 4, 8),
+    ("aarch64-linux-gnu-gcc", ("-march=armv8-a",), 16, 8, 12),
+])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_kernels_compile_for_every_isa(compiler, flags, vector_bytes, mr, nr, dtype, tmp_path):
+    if shutil.which(compiler) is None:
+        pytest.skip(f"no {compiler}")
+    lanes = vector_bytes // (4 if dtype == "float32" else 8)
+    kernel = MicroKernel(dtype, mr, -(-nr // lanes) * lanes, vector_bytes, epilogue=EPILOGUE,
+                         pixel_rows=True)
+    path = tmp_path / "ukr.c"
+    path.write_text("#include <stdint.h>\n" + vector_extension_source(kernel) + "\n")
+    subprocess.run([compiler, *flags, "-O2", "-Wall", "-Wno-unused-function", "-Werror", "-c",
+                    str(path), "-o", str(tmp_path / "ukr.o")], check=True, capture_output=True)
+
+
+def test_kernel_computes_what_it_says(tmp_path):
+    """The 6 × 16 AVX2 kernel against numpy: rows read at a + bases[r] + rows[k], partial sums
+    kept row-major in the tile, then bias + ReLU and the transposed store on `finish`."""
+    if shutil.which("gcc") is None:
+        pytest.skip("no gcc")
+    kernel = MicroKernel("float32", 6, 16, 32, epilogue=EPILOGUE, pixel_rows=True)
+    path = tmp_path / "ukr.c"
+    path.write_text("#include <stdint.h>\n" + vector_extension_source(kernel).replace(
+        "static __attribute__((noinline)) ", "") + "\n")
+    lib = tmp_path / "ukr.so"
+    subprocess.run(["gcc", "-O2", "-mavx2", "-mfma", "-shared", "-fPIC", str(path), "-o",
+                    str(lib)], check=True, capture_output=True)
+    fn = getattr(ctypes.CDLL(str(lib)), kernel.function)
+    rng = np.random.default_rng(4)
+    kc, ldc = 9, 23
+    a = rng.standard_normal(400).astype(np.float32)
+    rows = rng.integers(0, 300, kc).astype(np.int32)
+    bases = np.array([0, 1, 2, 40, 41, 77], np.int32)
+    b = rng.standard_normal((2 * kc, 16)).astype(np.float32)  # two slices of the sum
+    bias = rng.standard_normal(16).astype(np.float32)
+    gathered = a[bases[:, None] + rows[None, :]]  # (pixel, k)
+    total = gathered @ b[:kc] + gathered @ b[kc:]
+    expected = np.maximum(total + bias, 0).T  # (channel, pixel)
+    tile = np.zeros(6 * 16, np.float32)
+    out = np.zeros((16, ldc), np.float32)
+    p = ctypes.c_void_p
+    for step in range(2):
+        fn(ctypes.c_int64(kc), p(a.ctypes.data), p(b[step * kc:].ctypes.data),
+           p(rows.ctypes.data), p(tile.ctypes.data), ctypes.c_int64(ldc), ctypes.c_int(step),
+           p(bases.ctypes.data), p(out.ctypes.data), p(bias.ctypes.data), ctypes.c_int(step))
+        if step == 0:
+            np.testing.assert_allclose(tile.reshape(6, 16), gathered @ b[:kc], rtol=1e-5,
+                                       atol=1e-5)
+            assert not out.any()
+    np.testing.assert_allclose(out[:, :6], expected, rtol=1e-5, atol=1e-5)
+    assert not out[:, 6:].any()
