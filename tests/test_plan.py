@@ -246,6 +246,41 @@ def test_a_residual_add_of_two_convolutions_ends_the_later_one():
     assert block_dag_is_acyclic(plan)
 
 
+def gemm_reshape_gelu_graph():
+    """GPT-2's feed-forward: Gemm → Reshape → GELU (tanh) → Reshape → Gemm, the Gemms on 2-D views
+    of a [1, 8, C] sequence."""
+    shapes = {"x": (8, 16), "w1": (16, 32), "h": (8, 32), "s3": (3,), "h3": (1, 8, 32),
+              "g": (1, 8, 32), "s2": (2,), "g2": (8, 32), "w2": (32, 16), "z": (8, 16)}
+    constants = {"w1": np.ones((16, 32), np.float32), "w2": np.ones((32, 16), np.float32),
+                 "s3": np.array([1, 8, 32], np.int64), "s2": np.array([8, 32], np.int64)}
+    ops = [("Gemm", ["x", "w1"], ["h"]), ("Reshape", ["h", "s3"], ["h3"]), ("Gelu", ["h3"], ["g"]),
+           ("Reshape", ["g", "s2"], ["g2"]), ("Gemm", ["g2", "w2"], ["z"])]
+    return ecg(ops, shapes, ["x"], ["z"], constants)
+
+
+def test_a_view_between_a_contraction_and_its_activation_moves_with_the_activation():
+    graph = gemm_reshape_gelu_graph()  # small enough for row tiles: keep the Gemms apart
+    listing = DNNFusion(Constraints(relax_red=False, prefer_epilogues=False))(graph, RandomLatencies(0))
+    assert op_types(listing) == [["Gemm"], ["Reshape", "Gelu", "Reshape", "Gemm"]]
+    # The Reshape in front carries GELU to the first Gemm's epilogue; the one after GELU is the
+    # second Gemm's view of its A operand and stays there.
+    plan = DNNFusion(Constraints(relax_red=False))(graph, RandomLatencies(0))
+    assert op_types(plan) == [["Gemm", "Reshape", "Gelu"], ["Reshape", "Gemm"]]
+    moved = [d.second for d in plan.decisions if d.reason == "green: epilogue rather than prologue"]
+    assert sorted(moved) == ["op1", "op2"]
+
+
+def test_a_view_alone_stays_where_it_is_read():
+    # Gemm → Reshape → Softmax: the Reshape carries no One-to-One op, so no block changes.
+    shapes = {"x": (8, 16), "w1": (16, 32), "h": (8, 32), "s3": (3,), "h3": (1, 8, 32),
+              "y": (1, 8, 32)}
+    constants = {"w1": np.ones((16, 32), np.float32), "s3": np.array([1, 8, 32], np.int64)}
+    graph = ecg([("Gemm", ["x", "w1"], ["h"]), ("Reshape", ["h", "s3"], ["h3"]),
+                 ("Softmax", ["h3"], ["y"])], shapes, ["x"], ["y"], constants)
+    listing = DNNFusion(Constraints(prefer_epilogues=False))(graph, RandomLatencies(0))
+    assert op_types(partitioner("dnnfusion")(graph, RandomLatencies(0))) == op_types(listing)
+
+
 def test_baselines_on_the_feed_forward_graph():
     graph = bias_gelu_graph()
     assert partitioner("none")(graph, RandomLatencies(0)).kernels == 8

@@ -321,7 +321,11 @@ class _Planning:
         a Clip between two convolutions ends up in front of the second; there it is evaluated
         once per use (a 3×3 convolution uses each input nine times, and a 1×1 convolution must
         copy an input it would otherwise read in place), at the end of the first once per
-        element, in registers. Any mapping type followed by One-to-One is green in Table 3."""
+        element, in registers. Any mapping type followed by One-to-One is green in Table 3.
+        Reorganize ops (Reshape, Flatten, Squeeze, Unsqueeze) between the contraction and the
+        activation move with it: they keep the elements' order, so at either end they are an
+        index remap (§4.4), and left in front they keep the activation a prologue (GPT-2's
+        Gemm → Reshape → GELU → Reshape → Gemm packed the second Gemm's A with GELU per call)."""
         moved = True
         while moved:
             moved = any(self.move_prologue(group, target, ops)
@@ -329,15 +333,16 @@ class _Planning:
                         for target, ops in self.prologues(group).items())
 
     def prologues(self, group: int) -> dict[int, list[Op]]:
-        """By target block: the One-to-One ops of `group` that read only results of other
-        blocks (or of each other, and constants), at least one of them a contraction's block,
-        which becomes the target (the latest such, for a residual Add of two convolutions'
-        results). The other blocks read must not depend on the target."""
+        """By target block: the One-to-One and Reorganize ops of `group` that read only results
+        of other blocks (or of each other, and constants), at least one of them a contraction's
+        block, which becomes the target (the latest such, for a residual Add of two convolutions'
+        results); views only where they carry an activation (`carried`). The other blocks read
+        must not depend on the target."""
         graph, found = self.graph, {}
         target_of: dict[str, int] = {}
         members = sorted(self.groups[group], key=graph.order.__getitem__)
         for op in (graph.op_by_id[i] for i in members):
-            if op.mapping != MappingType.ONE_TO_ONE or _is_opaque(op):
+            if op.mapping not in _MOVABLE or _is_opaque(op):
                 continue
             producers = [p for p in map(graph.producer, graph.activation_inputs(op)) if p is not None]
             sources = {target_of.get(p.id, self.group_of[p.id]) for p in producers}
@@ -355,7 +360,19 @@ class _Planning:
                 continue
             target_of[op.id] = target
             found.setdefault(target, []).append(op)
-        return found
+        carried = {target: self.carried(ops) for target, ops in found.items()}
+        return {target: ops for target, ops in carried.items() if ops}
+
+    def carried(self, ops: list[Op]) -> list[Op]:
+        """`ops` (in graph order) less the Reorganize ops no One-to-One op of them reads, directly
+        or through other views: a view left after the activation stays with its reader."""
+        kept: list[Op] = []
+        read: set[str] = set()
+        for op in reversed(ops):
+            if op.mapping == MappingType.ONE_TO_ONE or any(t in read for t in op.outputs):
+                kept.append(op)
+                read.update(self.graph.activation_inputs(op))
+        return kept[::-1]
 
     def reaches(self, group: int, others: set[int]) -> bool:
         """Does any op of `others` depend on an op of `group`?"""
@@ -476,6 +493,10 @@ def _tile_operand_bytes(graph: Graph, heavy: list[Op]) -> int:
             b = graph.tensors[op.inputs[1]]
             total += b.nbytes // max(1, math.prod(b.shape[:-2]))
     return total
+
+
+# What `prefer_epilogues` moves from a prologue to the contraction's epilogue.
+_MOVABLE = (MappingType.ONE_TO_ONE, MappingType.REORGANIZE)
 
 
 def _is_opaque(op: Op) -> bool:

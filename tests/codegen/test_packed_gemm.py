@@ -27,6 +27,7 @@ from kiln.codegen.schedule import Schedule
 from kiln.target import host_target
 from tests.codegen.harness import (
     assert_matches,
+    check_model,
     model,
     plan_for,
     random_inputs,
@@ -477,3 +478,25 @@ def test_micro_kernels_that_fill_the_register_file_compile(compiler, flags, tile
     path.write_text("#include <stdint.h>\n" + source + "\n")
     subprocess.run([compiler, *flags, "-O2", "-c", str(path), "-o", str(tmp_path / "ukr.o")],
                    check=True, capture_output=True)
+
+
+def test_gelu_after_a_reshape_of_a_gemm_runs_as_its_epilogue():
+    # GPT-2's feed-forward: the Reshape and GELU move to the first Gemm's epilogue (dnnfusion),
+    # and the second Gemm reads the activation through a view (weights beyond the L2 that row
+    # tiles of both Gemms would re-read, so they stay two blocks).
+    rng = np.random.default_rng(3)
+    nodes = [helper.make_node("Gemm", ["x", "w1", "b1"], ["h"]),
+             helper.make_node("Reshape", ["h", "s3"], ["h3"]),
+             helper.make_node("Gelu", ["h3"], ["g"], approximate="tanh"),
+             helper.make_node("Reshape", ["g", "s2"], ["g2"]),
+             helper.make_node("Gemm", ["g2", "w2", "b2"], ["z"])]
+    weights = {"w1": rng.standard_normal((256, 1024)).astype(np.float32) / 16,
+               "b1": rng.standard_normal(1024).astype(np.float32),
+               "w2": rng.standard_normal((1024, 40)).astype(np.float32) / 32,
+               "b2": rng.standard_normal(40).astype(np.float32),
+               "s3": np.array([1, 37, 1024], np.int64), "s2": np.array([37, 1024], np.int64)}
+    m = model(nodes, {"x": ((37, 256), "float32")}, ["z"], weights, opset=20)
+    graph = frontend.build(m, {}, "test")
+    assert [[graph.op_by_id[i].op_type for i in b.op_ids] for b in plan_for(graph, "dnnfusion").blocks] \
+        == [["Gemm", "Reshape", "Gelu"], ["Reshape", "Gemm"]]
+    check_model(m, random_inputs({"x": ((37, 256), "float32")}), ("none", "dnnfusion"))
