@@ -14,8 +14,8 @@ special values, boundaries, denormals and a sweep of every 251st bit pattern):
   that 2^n never leaves the normal range); at most 2 ulp. Inputs whose result is 0 or +inf
   outright (a softmax's masked scores) take it by a select, never by an underflow.
 * exp_flush (a term of 1 + exp(x): sigmoid, SiLU, GELU): exp's polynomial on |x| clamped to 89,
-  scaled once by 2^n with the exponent field stopped at 0: 0 where exp(x) < 2^-126.5, +inf where
-  exp(x) >= 2^127.5, exp's 2 ulp between; float64 uses exp.
+  scaled once by 2^n with the exponent field stopped at 0, and a degree-5 polynomial: 0 where
+  exp(x) < 2^-126.5, +inf where exp(x) >= 2^127.5, at most 3 ulp between; float64 uses exp.
 * log: mantissa reduced to [√½, √2) from the bits (denormals scaled first), Cephes' polynomial;
   log(±0) = -inf, log(x<0) = NaN, log(+inf) = +inf; at most 2 ulp.
 * log1p: log(u)·x/(u-1) with u = 1+x (Goldberg's trick), exact for tiny x; at most 3 ulp.
