@@ -140,6 +140,12 @@ class MicroKernelCall:
     operands: tuple[tuple[str, Expr], ...] = ()
     finish: Expr | None = None
 
+    @property
+    def buffers(self) -> tuple[str, ...]:
+        """The names of every buffer and local array the call passes."""
+        return (self.a, self.b, self.c, *((self.rows,) if self.rows else ()),
+                *(name for name, _ in self.operands))
+
 
 Stmt = (Loop | Let | DeclAcc | Assign | DeclArray | ArrayStore | Store | If | MicroKernelCall
         | Barrier)

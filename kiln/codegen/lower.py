@@ -464,8 +464,7 @@ class BlockLowering:
         loaded = {e.name for stage in self.stages for e in walk(ir.all_exprs(stage.body))
                   if e.op == "load"}
         loaded |= {name for stage in self.stages for s in ir.iter_stmts(stage.body)
-                   if isinstance(s, ir.MicroKernelCall)
-                   for name in (s.a, s.b, s.rows, *(o for o, _ in s.operands)) if name}
+                   if isinstance(s, ir.MicroKernelCall) for name in s.buffers}
         inputs = [t for t in self.block.inputs if t in loaded]
         derived = [d for d in self.derived if d in loaded]
         outputs = list(self.block.outputs)
@@ -488,7 +487,7 @@ def _stages_touching(stages: list[ir.Stage], names: set[str]) -> dict[str, list[
             if isinstance(stmt, ir.Store):
                 seen.add(stmt.buffer)
             elif isinstance(stmt, ir.MicroKernelCall):
-                seen.update((stmt.a, stmt.b, stmt.c, *(o for o, _ in stmt.operands)))
+                seen.update(stmt.buffers)
         for name in seen & names:
             found.setdefault(name, []).append(index)
     return found

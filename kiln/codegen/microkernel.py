@@ -54,7 +54,8 @@ EpilogueNode = tuple
 TILE_EPILOGUE_OPS = {"add": 2, "sub": 2, "mul": 2, "div": 2, "neg": 1, "min": 2, "max": 2,
                      "select": 3, "lt": 2, "le": 2, "gt": 2, "ge": 2, "eq": 2, "ne": 2,
                      "and": 2, "or": 2, "not": 1}
-_COMPARISONS = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
+# The C operator of each comparison (the C-style renderers spell them from this table too).
+COMPARISONS = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
 _MASK_OPS = {"and": "&", "or": "|"}
 
 
@@ -348,8 +349,8 @@ def _epilogue_op(kind: str, vec: str, a: list[str]) -> str:
         return f"({a[0]} {dict(add='+', sub='-', mul='*', div='/')[kind]} {a[1]})"
     if kind == "neg":
         return f"(-{a[0]})"
-    if kind in _COMPARISONS:
-        return f"({a[0]} {_COMPARISONS[kind]} {a[1]})"
+    if kind in COMPARISONS:
+        return f"({a[0]} {COMPARISONS[kind]} {a[1]})"
     if kind in _MASK_OPS:
         return f"({a[0]} {_MASK_OPS[kind]} {a[1]})"
     if kind == "not":

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from kiln.codegen import cmath, ir
 from kiln.codegen.expr import BOOL, FLOAT_TYPES, INT_TYPES, SIGNED_TYPES, Expr
-from kiln.codegen.microkernel import MicroKernel
+from kiln.codegen.microkernel import COMPARISONS, MicroKernel
 
 C_TYPES = {
     "float32": "float", "float64": "double", "bool": "uint8_t",
@@ -24,7 +24,6 @@ UNSIGNED_OF = {"int32": "uint32_t", "int64": "uint64_t", "uint32": "uint32_t", "
 NARROW_INTS = frozenset({"int8", "int16", "uint8", "uint16"})
 BITS = {"int8": 8, "int16": 16, "int32": 32, "int64": 64,
         "uint8": 8, "uint16": 16, "uint32": 32, "uint64": 64}
-COMPARISONS = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
 
 # Helpers, each behind its own guard so kernels can be concatenated into one file.
 HELPERS = {
