@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import shutil
 import subprocess
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -16,6 +17,7 @@ from onnx import helper
 
 from kiln import frontend
 from kiln.codegen import Kernel, generate
+from kiln.codegen.microkernel import vector_extension_source
 from kiln.ecg import Graph
 from kiln.plan import FusionPlan, partitioner
 from kiln.profile.machine import host_machine
@@ -143,6 +145,22 @@ def check_model(model: onnx.ModelProto, inputs: Mapping[str, np.ndarray],
     for name in partitioners:
         got = run_graph(graph, name, inputs)
         assert_matches(got, want, f"[{name}]")
+
+
+def avx2_micro_kernel(kernel, folder: Path):
+    """`kernel` (a `kiln.codegen.microkernel.MicroKernel`) built alone for AVX2 with gcc, as a
+    ctypes function (a test skips where there is no gcc)."""
+    import pytest
+
+    if shutil.which("gcc") is None:
+        pytest.skip("no gcc")
+    path = folder / "ukr.c"
+    path.write_text("#include <stdint.h>\n" + vector_extension_source(kernel).replace(
+        "static __attribute__((noinline)) ", "") + "\n")
+    lib = folder / "ukr.so"
+    subprocess.run(["gcc", "-O2", "-mavx2", "-mfma", "-shared", "-fPIC", str(path), "-o",
+                    str(lib)], check=True, capture_output=True)
+    return getattr(ctypes.CDLL(str(lib)), kernel.function)
 
 
 # --- building small models ------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from kiln.codegen.schedule import Schedule
 from kiln.target import host_target
 from tests.codegen.harness import (
     assert_matches,
+    avx2_micro_kernel,
     model,
     plan_for,
     random_inputs,
@@ -158,16 +159,8 @@ def test_kernels_compile_for_every_isa(compiler, flags, vector_bytes, mr, nr, dt
 def test_kernel_computes_what_it_says(tmp_path):
     """The 6 × 16 AVX2 kernel against numpy: rows read at a + bases[r] + rows[k], partial sums
     kept row-major in the tile, then bias + ReLU and the transposed store on `finish`."""
-    if shutil.which("gcc") is None:
-        pytest.skip("no gcc")
-    kernel = MicroKernel("float32", 6, 16, 32, epilogue=EPILOGUE, pixel_rows=True)
-    path = tmp_path / "ukr.c"
-    path.write_text("#include <stdint.h>\n" + vector_extension_source(kernel).replace(
-        "static __attribute__((noinline)) ", "") + "\n")
-    lib = tmp_path / "ukr.so"
-    subprocess.run(["gcc", "-O2", "-mavx2", "-mfma", "-shared", "-fPIC", str(path), "-o",
-                    str(lib)], check=True, capture_output=True)
-    fn = getattr(ctypes.CDLL(str(lib)), kernel.function)
+    fn = avx2_micro_kernel(MicroKernel("float32", 6, 16, 32, epilogue=EPILOGUE, pixel_rows=True),
+                           tmp_path)
     rng = np.random.default_rng(4)
     kc, ldc = 9, 23
     a = rng.standard_normal(400).astype(np.float32)

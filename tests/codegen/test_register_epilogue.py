@@ -17,7 +17,7 @@ from onnx import helper
 
 from kiln.codegen.microkernel import MicroKernel, TileEpilogue, vector_extension_source
 from kiln.codegen.schedule import Schedule
-from tests.codegen.harness import model
+from tests.codegen.harness import avx2_micro_kernel, model
 from tests.codegen.test_packed_gemm import TILES, run_with
 
 
@@ -175,18 +175,9 @@ def test_epilogue_kernels_compile_for_every_isa(compiler, flags, vector_bytes, m
 
 def test_epilogue_kernel_computes_what_its_tree_says(tmp_path):
     """The micro-kernel with `EPILOGUE`, called with and without `finish`, against numpy."""
-    if shutil.which("gcc") is None:
-        pytest.skip("no gcc")
     import ctypes
 
-    kernel = MicroKernel("float32", 6, 16, 32, epilogue=EPILOGUE)
-    path = tmp_path / "ukr.c"
-    path.write_text("#include <stdint.h>\n" + vector_extension_source(kernel).replace(
-        "static __attribute__((noinline)) ", "") + "\n")
-    lib = tmp_path / "ukr.so"
-    subprocess.run(["gcc", "-O2", "-mavx2", "-mfma", "-shared", "-fPIC", str(path), "-o",
-                    str(lib)], check=True, capture_output=True)
-    fn = getattr(ctypes.CDLL(str(lib)), kernel.function)
+    fn = avx2_micro_kernel(MicroKernel("float32", 6, 16, 32, epilogue=EPILOGUE), tmp_path)
     rng = np.random.default_rng(9)
     kc, ldc = 7, 21
     a = rng.standard_normal((kc, 6)).astype(np.float32)  # packed panel: a[k·mr + r]

@@ -241,12 +241,7 @@ def direct_conv(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: ConvOpe
     tile = ctx.name("ct")
     row_panels = imin(iconst(blk.mc // uk.mr), floordiv(sub(iconst(mg + uk.mr - 1), i0), uk.mr))
     col_panels = imin(iconst(blk.nc // uk.nr), floordiv(sub(iconst(pixels), j0), uk.nr))
-    kb = ctx.var("kb", k_blocks)
-    k0 = mul(kb, blk.kc)
-    kc = (iconst(blk.kc) if k_total % blk.kc == 0
-          else imin(iconst(blk.kc), sub(iconst(k_total), k0)))
-    ip, jp = ctx.var("ip", blk.mc // uk.mr), ctx.var("jp", blk.nc // uk.nr)
-    i_lo, j_lo = add(i0, mul(ip, uk.mr)), add(j0, mul(jp, uk.nr))
+    kb, k0, kc, ip, jp, i_lo, j_lo = slice_tiles(ctx, blk, uk, k_total, i0, j0)
     first_row = floordiv(j0, grid.wq)  # of the grid, in the task's window
     b_at = sub(j_lo, mul(first_row, grid.wq)) if by_tasks else add(mul(b, segment), j_lo)
 
@@ -295,6 +290,19 @@ def direct_conv(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: ConvOpe
 # 56 × 56, 28 × 28 and 14 × 14; stride 1 on 28 × 28 and 14 × 14); 1.0–1.2× at 2.1 (stride 1 on
 # 56 × 56) and 1.0–1.07× at 3.2 and 5.1 (ResNet-50's stride-2 convs, 2 and 3 blocks of rows).
 TASK_COPY_SHARE = 2
+
+
+def slice_tiles(ctx: StageCtx, blk: Blocking, uk: MicroKernel, k_total: int, i0: Expr,
+                j0: Expr) -> tuple[Expr, Expr, Expr, Expr, Expr, Expr, Expr]:
+    """A task's loop variables over its block from row `i0` and column `j0`: the slice of the
+    sum `kb`, its start `k0` and length `kc` (the last may be shorter), the micro-tile panels
+    `ip`, `jp` and the first row `i_lo` and column `j_lo` of the tile they point at."""
+    kb = ctx.var("kb", -(-k_total // blk.kc))
+    k0 = mul(kb, blk.kc)
+    kc = (iconst(blk.kc) if k_total % blk.kc == 0
+          else imin(iconst(blk.kc), sub(iconst(k_total), k0)))
+    ip, jp = ctx.var("ip", blk.mc // uk.mr), ctx.var("jp", blk.nc // uk.nr)
+    return kb, k0, kc, ip, jp, add(i0, mul(ip, uk.mr)), add(j0, mul(jp, uk.nr))
 
 
 @dataclass(frozen=True)

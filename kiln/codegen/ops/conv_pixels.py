@@ -61,6 +61,7 @@ from kiln.codegen.ops.conv_direct import (
     _task_window,
     computed_columns,
     direct_tile,
+    slice_tiles,
 )
 from kiln.codegen.ops.conv_window import ConvOperands, Window
 
@@ -156,12 +157,7 @@ def pixel_rows_conv(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: Con
     b, cb, rb = Index((bt, col_blocks, row_blocks), flat=p).dims
     n, g = floordiv(b, group), modulo(b, group)
     i0, j0 = mul(rb, blk.mc), mul(cb, blk.nc)
-    kb = ctx.var("kb", k_blocks)
-    k0 = mul(kb, blk.kc)
-    kc = (iconst(blk.kc) if k_total % blk.kc == 0
-          else imin(iconst(blk.kc), sub(iconst(k_total), k0)))
-    ip, jp = ctx.var("ip", blk.mc // uk.mr), ctx.var("jp", blk.nc // uk.nr)
-    i_lo, j_lo = add(i0, mul(ip, uk.mr)), add(j0, mul(jp, uk.nr))
+    kb, k0, kc, ip, jp, i_lo, j_lo = slice_tiles(ctx, blk, uk, k_total, i0, j0)
     target, sums = _output(ctx, ops, out.shape, uk, (n, add(mul(g, mg), j_lo), i_lo))
     tile = ctx.name("ct")
     slot = mul(add(mul(jp, blk.mc // uk.mr), ip), uk.mr * uk.nr)
