@@ -226,9 +226,7 @@ def direct_conv(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: ConvOpe
     k_blocks = -(-k_total // blk.kc)
     tasks = bt * row_blocks * col_blocks
     window = _task_window(ctx.name("xw"), w, grid, blk, taps, k_total)
-    by_tasks = (window.elements * np.dtype(dtype).itemsize <= TASK_COPY_BYTES
-                and tasks * k_blocks * window.channels * window.channel_stride
-                <= TASK_COPY_SHARE * bt * cg * grid.channel_stride)
+    by_tasks = copied_by_tasks(window, tasks * k_blocks, grid, bt * cg, dtype)
     if by_tasks:
         copy, segment, offsets = window.name, 0, window.row_offsets
     else:
@@ -318,6 +316,17 @@ class TaskWindow:
     channel_stride: int
     elements: int
     row_offsets: np.ndarray
+
+
+def copied_by_tasks(window: TaskWindow, copies: int, grid: PhaseGrid, planes: int,
+                    dtype: str) -> bool:
+    """Whether the tasks copy their own windows (`copies` of them: tasks × slices of the sum)
+    instead of a stage copying the input (`planes` channel planes of `grid`) first: a window
+    within `TASK_COPY_BYTES`, and all of them together at most `TASK_COPY_SHARE` times the
+    input."""
+    return (window.elements * np.dtype(dtype).itemsize <= TASK_COPY_BYTES
+            and copies * window.channels * window.channel_stride
+            <= TASK_COPY_SHARE * planes * grid.channel_stride)
 
 
 def _task_window(name: str, w: Window, grid: PhaseGrid, blk: Blocking, taps: int,

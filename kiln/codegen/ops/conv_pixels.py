@@ -52,14 +52,13 @@ from kiln.codegen.gemm.register_epilogue import register_epilogue
 from kiln.codegen.gemm.spec import constant_values, stride_of
 from kiln.codegen.indexing import Index
 from kiln.codegen.microkernel import MicroKernel, TileEpilogue, same_work_tiles
-from kiln.codegen.gemm.packed import TASK_COPY_BYTES
 from kiln.codegen.ops.conv_direct import (
-    TASK_COPY_SHARE,
     _copy_input,
     _copy_window,
     _phase_grid,
     _task_window,
     computed_columns,
+    copied_by_tasks,
     direct_tile,
     slice_tiles,
 )
@@ -142,9 +141,7 @@ def pixel_rows_conv(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: Con
                   range(0, pixels, blk.mc)) // ow + 1
     window = _task_window(ctx.name("xw"), w, grid, Blocking(blk.mc, spanned * wq, blk.kc),
                           math.prod(w.kernel), k_total, spanned)
-    by_tasks = (window.elements * np.dtype(dtype).itemsize <= TASK_COPY_BYTES
-                and tasks * k_blocks * window.channels * window.channel_stride
-                <= TASK_COPY_SHARE * bt * cg * grid.channel_stride)
+    by_tasks = copied_by_tasks(window, tasks * k_blocks, grid, bt * cg, dtype)
     grid_at = np.arange(pixels) // ow * wq + np.arange(pixels) % ow
     if by_tasks:  # each task's window starts on its block's first grid row
         copy, segment, row_offsets = window.name, 0, window.row_offsets
