@@ -36,16 +36,17 @@ from tests.codegen.harness import (
 FORM = "direct, pixels as rows"
 
 
-def _conv_model(n, cin, size, cout, kernel, group, pads, tail, dtype="float32", seed=3):
+def _conv_model(n, cin, size, cout, kernel, group, pads, tail, dtype="float32", seed=3,
+                stride=1):
     rng = np.random.default_rng(seed)
     h, w = size
-    oh = h + pads[0] + pads[2] - kernel + 1
-    ow = w + pads[1] + pads[3] - kernel + 1
+    oh = (h + pads[0] + pads[2] - kernel) // stride + 1
+    ow = (w + pads[1] + pads[3] - kernel) // stride + 1
     spec = {"x": ((n, cin, h, w), dtype)}
     constants = {"w": rng.standard_normal((cout, cin // group, kernel, kernel)).astype(dtype),
                  "b": rng.standard_normal(cout).astype(dtype)}
     nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], kernel_shape=[kernel, kernel],
-                              pads=list(pads), group=group)]
+                              pads=list(pads), group=group, strides=[stride, stride])]
     if tail == "relu":
         nodes.append(helper.make_node("Relu", ["c"], ["y"]))
     elif tail == "clip":
@@ -93,6 +94,24 @@ def test_pixel_rows_conv_matches_onnxruntime(case):
         assert stages[0]["input_copy"] == "by the tasks"
 
 
+STRIDED = [  # (batch, in channels, image, out channels, kernel, groups, pads, tail), stride 2
+    (1, 128, (28, 28), 128, 3, 1, (1, 1, 1, 1), "relu"),  # onto 14 × 14: four phase planes
+    (1, 40, (15, 13), 64, 3, 1, (1, 0, 1, 2), "clip"),  # ragged channels, uneven pads
+    (2, 192, (14, 14), 192, 3, 3, (1, 1, 1, 1), "residual"),  # 64 a group, onto 7 × 7
+    (1, 96, (11, 11), 96, 5, 1, (2, 2, 2, 2), "none"),  # 5 × 5 of stride 2
+]
+
+
+@pytest.mark.parametrize("case", STRIDED, ids=lambda c: "-".join(map(str, c[1:6])) + c[7])
+def test_strided_pixel_rows_conv_matches_onnxruntime(case):
+    """Stride-2 convs with enough input channels run with pixels as rows (the cost model's
+    `DIRECT_PHASES_OVERHEAD`), reading the stride-phase-split copy in place."""
+    n, cin, size, cout, kernel, group, pads, tail = case
+    stages = _run(*_conv_model(n, cin, size, cout, kernel, group, pads, tail, stride=2))
+    assert stages, "the conv did not run with pixels as rows"
+    assert stages[0]["grid"].startswith("4x")
+
+
 @pytest.mark.parametrize("tail", ["relu", "residual"])
 def test_sum_in_several_slices(tail):
     """Slices of the sum 7 long (partial sums kept in the task's tile, the epilogue and the
@@ -116,21 +135,26 @@ def _window(size: int, kernel: int, stride: int) -> Window:
                   (kernel // 2,) * 2, (kernel // 2,) * 2)
 
 
-@pytest.mark.parametrize("size,kernel,stride,channels,wins", [
-    (7, 3, 1, 64, True),  # the direct kernel computes 64 columns for 49 pixels
-    (14, 3, 1, 64, True),
-    (7, 5, 1, 512, True),
-    (28, 3, 1, 64, False),  # 840 columns for 784 pixels
-    (56, 3, 1, 64, False),
-    (14, 3, 2, 64, False),  # four phase planes under each tile's broadcasts
-    (28, 3, 2, 512, False),
-    (14, 1, 2, 512, False),  # a new plane at every step of the sum
-    (7, 1, 1, 512, False),
+@pytest.mark.parametrize("size,kernel,stride,channels,channels_in,wins", [
+    (7, 3, 1, 64, 64, True),  # the direct kernel computes 64 columns for 49 pixels
+    (14, 3, 1, 64, 64, True),
+    (7, 5, 1, 512, 512, True),
+    (28, 3, 1, 64, 64, False),  # 840 columns for 784 pixels
+    (56, 3, 1, 64, 64, False),
+    (14, 3, 2, 64, 64, True),  # the direct kernel's four phase planes
+    (28, 3, 2, 512, 512, True),
+    (56, 3, 2, 128, 128, True),
+    (112, 3, 2, 128, 64, False),  # onto 56 × 56
+    (224, 7, 2, 64, 3, False),  # a stem's short sum over 3 channels
+    (224, 3, 2, 32, 3, False),
+    (14, 1, 2, 512, 256, False),  # a new plane at every step of the sum
+    (7, 1, 1, 512, 512, False),
 ])
-def test_cost_model(size, kernel, stride, channels, wins):
+def test_cost_model(size, kernel, stride, channels, channels_in, wins):
     class Ctx:
         schedule = Schedule(vector_bytes=32, gemm_mr=6, gemm_nr=16)
-    assert pixel_rows_wins(Ctx(), _window(size, kernel, stride), channels, "float32") == wins
+    window = _window(size, kernel, stride)
+    assert pixel_rows_wins(Ctx(), window, channels, "float32", channels_in) == wins
 
 
 EPILOGUE = TileEpilogue(("max", ("add", ("total",), ("operand", 0)), ("const", 0.0)),

@@ -72,9 +72,21 @@ MAX_ROWS = 8  # a row's broadcasts read off a pointer of its own: general regist
 # input stays in L2 by tasks, the pixel-rows kernel's whole copy does not). On Zen 3, CPU time
 # at 1 and 2 threads: grouped 3 × 3 convs of 64 channels a group at 7 × 7 and 14 × 14 (the
 # direct kernel computes 1.31 and 1.14 times the products) took 0.86-0.96x the time; 5 × 5
-# ones at 7 × 7 and 14 × 14, 0.57-0.73x that of the transposed GEMM on a packed im2col; strided
-# ones (the same sizes, 3 × 3 of stride 2; 1 × 1 of stride 2 onto 7 × 7) 0.95-1.2x.
+# ones at 7 × 7 and 14 × 14, 0.57-0.73x that of the transposed GEMM on a packed im2col; 1 × 1
+# convs of stride 2 (a new plane at every step), 1.13-1.3x.
 PIXEL_ROWS_OVERHEAD = 3 / 8
+
+# The direct kernel's extra cost per product on a grid of several stride phases, when the sum
+# runs over enough input channels onto a small enough image: on Zen 3, 3 × 3 convs of stride 2
+# (128-1088 channels, groups of 64 included) onto 28 × 28 and 14 × 14 took 0.77-0.97x the time
+# by the pixel-rows kernel at 1 thread (with the direct kernel computing at most 1.04 times the
+# products; 0.95x that of the transposed GEMM on a packed im2col), onto 7 × 7 1.03-1.08x that
+# of the transposed GEMM. Elsewhere the phases count against the pixel-rows kernel, each one's
+# lines per step: stems (3 input channels, 7 × 7 and 3 × 3 of stride 2) took 1.05-1.06x the
+# time by it, 3 × 3 convs of stride 2 onto 56 × 56 (64 and 128 channels) 1.12-1.24x.
+DIRECT_PHASES_OVERHEAD = 1 / 4
+PHASES_OVERHEAD_MIN_CHANNELS = 16
+PHASES_OVERHEAD_MAX_PIXELS = 1024
 
 
 def _lines_per_step(w: Window) -> float:
@@ -103,17 +115,27 @@ def pixel_rows_applies(ctx: StageCtx, w: Window, channels_out: int, dtype: str) 
             and channels_out % micro_kernel(ctx, dtype).lanes == 0)
 
 
-def pixel_rows_wins(ctx: StageCtx, w: Window, channels_out: int, dtype: str) -> bool:
+def pixel_rows_wins(ctx: StageCtx, w: Window, channels_out: int, dtype: str,
+                    channels_in: int) -> bool:
     """Whether the pixel-rows kernel computes fewer products than `conv_direct`'s (its tile,
     its grid's columns past the output's, its last panel's whole vectors), after
-    `PIXEL_ROWS_OVERHEAD` for each line its broadcasts move to per step, in each stride phase.
-    Both read a copy of the input; the sum's length cancels."""
+    `PIXEL_ROWS_OVERHEAD` for each line its broadcasts move to per step. A grid of several
+    stride phases costs the direct kernel `DIRECT_PHASES_OVERHEAD` on a sum over at least
+    `PHASES_OVERHEAD_MIN_CHANNELS` input channels (`channels_in`, per group) onto at most
+    `PHASES_OVERHEAD_MAX_PIXELS`; else (a stem, a large image) it costs the pixel-rows kernel
+    its lines in every phase. Both read a copy of the input; the sum's length cancels."""
     base = micro_kernel(ctx, dtype)
     uk = direct_tile(base, w, channels_out)
     grid, _ = _phase_grid(w, 1, 1)
     direct = (round_up(channels_out, uk.mr)
               * computed_columns(w.out_size[0] * grid.wq, uk.nr, uk.lanes))
-    overhead = 1 + PIXEL_ROWS_OVERHEAD * _lines_per_step(w) * len(grid.phases)
+    lines = _lines_per_step(w)
+    if (channels_in >= PHASES_OVERHEAD_MIN_CHANNELS
+            and math.prod(w.out_size) <= PHASES_OVERHEAD_MAX_PIXELS):
+        direct *= 1 + DIRECT_PHASES_OVERHEAD * (len(grid.phases) > 1)
+    else:
+        lines *= len(grid.phases)
+    overhead = 1 + PIXEL_ROWS_OVERHEAD * lines
     return math.prod(w.out_size) * channels_out * overhead < direct
 
 
