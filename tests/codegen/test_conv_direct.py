@@ -114,13 +114,13 @@ def test_grouped_conv_with_a_partial_last_panel_runs_a_narrower_kernel():
     """Grouped 3 × 3 convs (64 channels per group, RegNet's width) in AVX2's 4 × 24 tiles (64
     rows, none padded, where 6 × 16 would compute 66): a 14 × 26 output's phase grid holds
     14 × 28 = 392 pixels, sixteen panels of 24 and 8 more, which run a kernel of one vector
-    (4 × 8), not a seventeenth whole panel; so does 8 × 26 (8 × 28); 12 × 22 (12 × 24 = 288,
-    twelve panels) needs no narrower kernel. All match onnxruntime. (On 14 × 14 and 12 × 12,
-    grids of 224 and 168 pixels for 196 and 144, and at stride 2, the convs run with pixels as
-    rows instead: `test_conv_pixels`.)"""
+    (4 × 8), not a seventeenth whole panel; so do stride 2 onto 7 × 7 (grid 7 × 8: 56 pixels)
+    and 8 × 26 (8 × 28); 12 × 22 (12 × 24 = 288, twelve panels) needs no narrower kernel.
+    All match onnxruntime. (On 14 × 14 and 12 × 12, grids of 224 and 168 pixels for 196 and
+    144, the convs run with pixels as rows instead: `test_conv_pixels`.)"""
     rng = np.random.default_rng(15)
-    for (height, width), stride, edge in (((14, 26), 1, "4x8"), ((8, 26), 1, "4x8"),
-                                          ((12, 22), 1, None)):
+    for (height, width), stride, edge in (((14, 26), 1, "4x8"), ((13, 13), 2, "4x8"),
+                                          ((8, 26), 1, "4x8"), ((12, 22), 1, None)):
         spec = {"x": ((1, 128, height, width), "float32")}
         inits = {"w": rng.standard_normal((128, 64, 3, 3)).astype(np.float32),
                  "b": rng.standard_normal(128).astype(np.float32)}

@@ -95,17 +95,17 @@ def test_pixel_rows_conv_matches_onnxruntime(case):
 
 
 STRIDED = [  # (batch, in channels, image, out channels, kernel, groups, pads, tail), stride 2
-    (1, 128, (28, 28), 128, 3, 1, (1, 1, 1, 1), "relu"),  # onto 14 × 14: four phase planes
-    (1, 40, (15, 13), 64, 3, 1, (1, 0, 1, 2), "clip"),  # ragged channels, uneven pads
-    (2, 192, (14, 14), 192, 3, 3, (1, 1, 1, 1), "residual"),  # 64 a group, onto 7 × 7
-    (1, 96, (11, 11), 96, 5, 1, (2, 2, 2, 2), "none"),  # 5 × 5 of stride 2
+    (1, 512, (28, 28), 512, 3, 8, (1, 1, 1, 1), "relu"),  # onto 14 × 14: four phase planes
+    (1, 160, (15, 13), 64, 3, 4, (1, 0, 1, 2), "clip"),  # 16 a group, 40 in, uneven pads
+    (2, 256, (14, 14), 256, 3, 4, (1, 1, 1, 1), "residual"),  # 64 a group, onto 7 × 7
+    (1, 96, (11, 11), 96, 5, 4, (2, 2, 2, 2), "none"),  # 5 × 5 of stride 2
 ]
 
 
 @pytest.mark.parametrize("case", STRIDED, ids=lambda c: "-".join(map(str, c[1:6])) + c[7])
 def test_strided_pixel_rows_conv_matches_onnxruntime(case):
-    """Stride-2 convs with enough input channels run with pixels as rows (the cost model's
-    `DIRECT_PHASES_OVERHEAD`), reading the stride-phase-split copy in place."""
+    """Stride-2 grouped convs with enough input channels run with pixels as rows (the cost
+    model's `DIRECT_PHASES_OVERHEAD`), reading the stride-phase-split copy in place."""
     n, cin, size, cout, kernel, group, pads, tail = case
     stages = _run(*_conv_model(n, cin, size, cout, kernel, group, pads, tail, stride=2))
     assert stages, "the conv did not run with pixels as rows"
@@ -135,26 +135,26 @@ def _window(size: int, kernel: int, stride: int) -> Window:
                   (kernel // 2,) * 2, (kernel // 2,) * 2)
 
 
-@pytest.mark.parametrize("size,kernel,stride,channels,channels_in,wins", [
-    (7, 3, 1, 64, 64, True),  # the direct kernel computes 64 columns for 49 pixels
-    (14, 3, 1, 64, 64, True),
-    (7, 5, 1, 512, 512, True),
-    (28, 3, 1, 64, 64, False),  # 840 columns for 784 pixels
-    (56, 3, 1, 64, 64, False),
-    (14, 3, 2, 64, 64, True),  # the direct kernel's four phase planes
-    (28, 3, 2, 512, 512, True),
-    (56, 3, 2, 128, 128, True),
-    (112, 3, 2, 128, 64, False),  # onto 56 × 56
-    (224, 7, 2, 64, 3, False),  # a stem's short sum over 3 channels
-    (224, 3, 2, 32, 3, False),
-    (14, 1, 2, 512, 256, False),  # a new plane at every step of the sum
-    (7, 1, 1, 512, 512, False),
+@pytest.mark.parametrize("size,kernel,stride,channels,channels_in,gemms,wins", [
+    (7, 3, 1, 64, 64, 1, True),  # the direct kernel computes 64 columns for 49 pixels
+    (14, 3, 1, 64, 64, 1, True),
+    (7, 5, 1, 512, 512, 1, True),
+    (28, 3, 1, 64, 64, 1, False),  # 840 columns for 784 pixels
+    (56, 3, 1, 64, 64, 1, False),
+    (28, 3, 2, 64, 64, 8, True),  # the direct kernel's four phase planes, 8 groups
+    (14, 3, 2, 64, 64, 17, True),
+    (28, 3, 2, 512, 512, 1, False),  # ungrouped: four planes under each tile's broadcasts
+    (56, 3, 2, 64, 64, 3, False),
+    (112, 3, 2, 64, 64, 4, False),  # onto 56 × 56
+    (224, 7, 2, 64, 3, 1, False),  # a stem's short sum over 3 channels
+    (14, 1, 2, 512, 256, 1, False),  # a new plane at every step of the sum
+    (7, 1, 1, 512, 512, 1, False),
 ])
-def test_cost_model(size, kernel, stride, channels, channels_in, wins):
+def test_cost_model(size, kernel, stride, channels, channels_in, gemms, wins):
     class Ctx:
         schedule = Schedule(vector_bytes=32, gemm_mr=6, gemm_nr=16)
     window = _window(size, kernel, stride)
-    assert pixel_rows_wins(Ctx(), window, channels, "float32", channels_in) == wins
+    assert pixel_rows_wins(Ctx(), window, channels, "float32", channels_in, gemms) == wins
 
 
 EPILOGUE = TileEpilogue(("max", ("add", ("total",), ("operand", 0)), ("const", 0.0)),

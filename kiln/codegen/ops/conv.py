@@ -9,9 +9,9 @@ Conv picks its loop nest from the shape:
   convs included); the rest as an implicit GEMM whose B packing does the im2col;
 * a 2-D conv whose direct kernel would waste many products on a small image (the phase grid's
   columns past the output's, the last panel's: 7 × 7 and 14 × 14, grouped or not), or read
-  several stride phases for an image of at most 32 × 32 (strided 3 × 3s), runs as the direct
-  kernel's mirror, output pixels as rows and channels in the vector lanes, reading the same
-  padded copy in place (`conv_pixels`), when its cost model says so;
+  several stride phases for an image of at most 32 × 32 (strided 3 × 3s of several groups), runs
+  as the direct kernel's mirror, output pixels as rows and channels in the vector lanes, reading
+  the same padded copy in place (`conv_pixels`), when its cost model says so;
 * a conv onto few pixels with many output channels (a late stage's 7 × 7 image, 1 × 1 or
   not) runs as the transposed GEMM instead, pixels as rows, when that wastes less of the
   micro-tile (`_pixels_as_rows`), its epilogue in a pass of its own along the pixels;
@@ -194,7 +194,8 @@ def _direct_gemm(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: ConvOp
     direct kernel's tiles (`_pixels_as_rows`); else the direct kernel (`conv_direct`)."""
     mg = w_shape[0] // group
     if (pixel_rows_applies(ctx, w, mg, ops.acc_dtype)
-            and pixel_rows_wins(ctx, w, mg, ops.acc_dtype, in_shape[1] // group)
+            and pixel_rows_wins(ctx, w, mg, ops.acc_dtype, in_shape[1] // group,
+                                ctx.out().shape[0] * group)
             and pixel_rows_conv(ctx, w, w_shape, ops, group, in_shape)):
         return
     if _pixels_as_rows(ctx, ops.acc_dtype, mg, math.prod(w.out_size),

@@ -77,15 +77,18 @@ MAX_ROWS = 8  # a row's broadcasts read off a pointer of its own: general regist
 PIXEL_ROWS_OVERHEAD = 3 / 8
 
 # The direct kernel's extra cost per product on a grid of several stride phases, when the sum
-# runs over enough input channels onto a small enough image: on Zen 3, 3 × 3 convs of stride 2
-# (128-1088 channels, groups of 64 included) onto 28 × 28 and 14 × 14 took 0.77-0.97x the time
-# by the pixel-rows kernel at 1 thread (with the direct kernel computing at most 1.04 times the
-# products; 0.95x that of the transposed GEMM on a packed im2col), onto 7 × 7 1.03-1.08x that
-# of the transposed GEMM. Elsewhere the phases count against the pixel-rows kernel, each one's
-# lines per step: stems (3 input channels, 7 × 7 and 3 × 3 of stride 2) took 1.05-1.06x the
-# time by it, 3 × 3 convs of stride 2 onto 56 × 56 (64 and 128 channels) 1.12-1.24x.
+# runs over enough input channels onto a small enough image, split in enough GEMMs (images ×
+# groups) that the pixel-rows kernel's tasks copy their own windows of the input: on Zen 3,
+# 3 × 3 convs of stride 2 with 8 and 17 groups of 64 channels onto 14 × 14 and 7 × 7 took
+# 0.77-0.91x the time by the pixel-rows kernel at 1 thread, 0.81-0.85x at 2. Elsewhere the
+# phases count against the pixel-rows kernel, each one's lines per step: at 2 threads ungrouped
+# 3 × 3 convs of stride 2 (128-512 channels onto 28 × 28 to 7 × 7, the whole input copied
+# first) took 1.04-1.6x the time by it (0.83-1.08x at 1 thread), 3 groups onto 28 × 28 1.05x,
+# stems (3 input channels, 7 × 7 and 3 × 3 of stride 2) 1.05-1.06x, and 3 × 3 convs of stride
+# 2 onto 56 × 56 (64 and 128 channels) 1.12-1.24x at 1 thread.
 DIRECT_PHASES_OVERHEAD = 1 / 4
 PHASES_OVERHEAD_MIN_CHANNELS = 16
+PHASES_OVERHEAD_MIN_GEMMS = 4
 PHASES_OVERHEAD_MAX_PIXELS = 1024
 
 
@@ -116,21 +119,22 @@ def pixel_rows_applies(ctx: StageCtx, w: Window, channels_out: int, dtype: str) 
 
 
 def pixel_rows_wins(ctx: StageCtx, w: Window, channels_out: int, dtype: str,
-                    channels_in: int) -> bool:
+                    channels_in: int, gemms: int) -> bool:
     """Whether the pixel-rows kernel computes fewer products than `conv_direct`'s (its tile,
     its grid's columns past the output's, its last panel's whole vectors), after
     `PIXEL_ROWS_OVERHEAD` for each line its broadcasts move to per step. A grid of several
     stride phases costs the direct kernel `DIRECT_PHASES_OVERHEAD` on a sum over at least
     `PHASES_OVERHEAD_MIN_CHANNELS` input channels (`channels_in`, per group) onto at most
-    `PHASES_OVERHEAD_MAX_PIXELS`; else (a stem, a large image) it costs the pixel-rows kernel
-    its lines in every phase. Both read a copy of the input; the sum's length cancels."""
+    `PHASES_OVERHEAD_MAX_PIXELS` in at least `PHASES_OVERHEAD_MIN_GEMMS` (`gemms`: images ×
+    groups); else (a stem, a large image, an ungrouped conv) it costs the pixel-rows kernel its
+    lines in every phase. Both read a copy of the input; the sum's length cancels."""
     base = micro_kernel(ctx, dtype)
     uk = direct_tile(base, w, channels_out)
     grid, _ = _phase_grid(w, 1, 1)
     direct = (round_up(channels_out, uk.mr)
               * computed_columns(w.out_size[0] * grid.wq, uk.nr, uk.lanes))
     lines = _lines_per_step(w)
-    if (channels_in >= PHASES_OVERHEAD_MIN_CHANNELS
+    if (channels_in >= PHASES_OVERHEAD_MIN_CHANNELS and gemms >= PHASES_OVERHEAD_MIN_GEMMS
             and math.prod(w.out_size) <= PHASES_OVERHEAD_MAX_PIXELS):
         direct *= 1 + DIRECT_PHASES_OVERHEAD * (len(grid.phases) > 1)
     else:
