@@ -500,3 +500,51 @@ def test_gelu_after_a_reshape_of_a_gemm_runs_as_its_epilogue():
     assert [[graph.op_by_id[i].op_type for i in b.op_ids] for b in plan_for(graph, "dnnfusion").blocks] \
         == [["Gemm", "Reshape", "Gelu"], ["Reshape", "Gemm"]]
     check_model(m, random_inputs({"x": ((37, 256), "float32")}), ("none", "dnnfusion"))
+
+
+@pytest.mark.parametrize("tile", TILES, ids=lambda t: f"{t[1]}x{t[2]}v{t[0]}")
+def test_a_batch_packed_in_scratch_times_weights_is_one_product(tile):
+    """A batch of A that must be packed (a transposed read) times one weight matrix: packed as one
+    product of batch × M rows, its panels running on across batches, through the fused epilogue."""
+    spec = {"a": ((2, 5, 9, 7), "float32")}
+    rng = np.random.default_rng(3)
+    w, bias = (rng.standard_normal((9, 19)).astype(np.float32),
+               rng.standard_normal(19).astype(np.float32))
+    m = model([helper.make_node("Transpose", ["a"], ["at"], perm=[0, 1, 3, 2]),
+               helper.make_node("MatMul", ["at", "w"], ["h"]),
+               helper.make_node("Add", ["h", "bias"], ["y"])], spec, ["y"], {"w": w, "bias": bias})
+    kernels = run_with(m, spec, small_blocks(tile))
+    stage = next(s for k in kernels for s in k.schedule["stages"] if s.get("form") == "packed")
+    assert (stage["a_operand"], stage["product_rows"]) == ("packed in scratch", 70)
+
+
+def test_products_of_one_kernel_pack_their_common_operand_once():
+    """Three products of one transposed input (attention's Q, K and V projections of a window
+    partition) in one kernel: its panels are packed once and read by all three."""
+    spec = {"a": ((4, 12, 10), "float32")}
+    rng = np.random.default_rng(5)
+    weights = {f"w{n}": rng.standard_normal((12, 16)).astype(np.float32) for n in range(3)}
+    nodes = [helper.make_node("Transpose", ["a"], ["at"], perm=[0, 2, 1])]
+    nodes += [helper.make_node("MatMul", ["at", f"w{n}"], [f"y{n}"]) for n in range(3)]
+    m = model(nodes, spec, ["y0", "y1", "y2"], weights)
+    kernels = run_with(m, spec, Schedule())
+    stages = [s for k in kernels for s in k.schedule["stages"]]
+    packs = [s for s in stages if s["stage"].startswith("pack operand A")]
+    products = [s for s in stages if s.get("form") == "packed"]
+    assert len(kernels) == 1 and len(products) == 3 and len(packs) == 1
+    assert [s["a_operand"] for s in products] == (
+        ["packed in scratch"] + 2 * ["packed in scratch by an earlier product"])
+
+
+def test_a_lowering_attempt_packs_its_own_operands(monkeypatch):
+    """A block lowered again (an attempt that stored too little is retried from scratch) packs the
+    common operand again in its own stages: panels packed by an abandoned attempt are gone."""
+    from kiln.codegen.lower import BlockLowering
+    once = BlockLowering.lower
+
+    def retried(self):
+        once(self)  # an abandoned first attempt
+        return once(self)
+
+    monkeypatch.setattr(BlockLowering, "lower", retried)
+    test_products_of_one_kernel_pack_their_common_operand_once()

@@ -42,6 +42,7 @@ from kiln.codegen.gemm.packing import (
     b_copied_by_tasks,
     b_rows,
     constant_panels,
+    rows_across_batch,
     scratch_panels,
 )
 from kiln.codegen.gemm.group import group_gemm
@@ -142,18 +143,23 @@ def _product(ctx: StageCtx, spec: Contraction, uk: MicroKernel,
     """The operands packed (or read in place) and the product's cache blocks."""
     a = OperandSide("a", spec.a, spec.a_batch, spec.m)
     b_side = OperandSide("b", lambda bi, j, k: spec.b(bi, k, j), spec.b_batch, spec.n)
+    bt = math.prod(spec.batch)
+    packed_across_batch = False
     if packed_a is None:
         padded = least_padding_tile(uk, spec.m)
         packed_a = constant_panels(ctx, spec, a, padded.mr) or a_rows_in_place(ctx, spec, a)
-        if packed_a is None or not packed_a.in_place:
+        if packed_a is None and _packs_across_batch(spec):
+            uk = least_padding_tile(uk, bt * spec.m)
+            packed_a = scratch_panels(ctx, spec, rows_across_batch(a, spec.m), uk.mr)
+            packed_across_batch = True
+        elif packed_a is None or not packed_a.in_place:
             uk = padded
         packed_a = packed_a or scratch_panels(ctx, spec, a, uk.mr)
     itemsize = 4 if spec.dtype == "float32" else 8
     uk = _tile_for_rows(ctx, uk, packed_a, itemsize)
     packed_b = constant_panels(ctx, spec, b_side, uk.nr)
     copied_by_tasks = packed_b is None and b_copied_by_tasks(ctx, spec, b_side, uk.lanes)
-    folded = _folds_batch(spec, packed_a)
-    bt = math.prod(spec.batch)
+    folded = packed_across_batch or _folds_batch(spec, packed_a)
     rows, batches = (bt * spec.m, 1) if folded else (spec.m, bt)
     s = ctx.schedule
     # (balanced over thread counts; the convolutions' own GEMMs keep their blocks, unmeasured)
@@ -187,6 +193,13 @@ def _cached_slice(k: int, blk: Blocking, itemsize: int, cache_bytes: int) -> int
     if longest <= blk.kc:
         return blk.kc
     return -(-k // -(-k // longest))
+
+
+def _packs_across_batch(spec: Contraction) -> bool:
+    """A batch of run-time A that must be packed (not read in place) times one B: packed as one
+    product of batch × M rows (`rows_across_batch`)."""
+    return (math.prod(spec.batch) > 1 and spec.a_batch == spec.batch
+            and math.prod(spec.b_batch) <= 1)
 
 
 def _folds_batch(spec: Contraction, packed_a: Packed) -> bool:

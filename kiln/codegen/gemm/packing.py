@@ -5,6 +5,7 @@ element)."""
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,9 +21,11 @@ from kiln.codegen.expr import (
     iconst,
     imin,
     index_compare,
+    modulo,
     mul,
     select,
     substitute,
+    var,
 )
 from kiln.codegen.indexing import Index
 from kiln.codegen.gemm.blocking import round_up
@@ -108,9 +111,46 @@ def a_rows_in_place(ctx: StageCtx, spec: Contraction, side: OperandSide) -> Pack
                   in_place=True, batch_ld=batch_ld or 0)
 
 
+def rows_across_batch(side: OperandSide, m: int) -> OperandSide:
+    """A batch of `side`'s matrices as one of batch × M rows (row g: batch g // M, row g % M), for
+    a product whose B is the same in every batch: packed so, its panels run on across batches and
+    only the last one is partial (64 windows of 49 rows in panels of 6: 3138 rows' work, not
+    64 × 54 = 3456)."""
+    nb = math.prod(side.batch)
+    return OperandSide(side.name, lambda _b, g, k: side.value(
+        Index(side.batch, flat=floordiv(g, m)), modulo(g, m), k), (), nb * m)
+
+
+# The panels packed so far in each attempt at lowering a block (keyed by the attempt's names: a
+# retried attempt starts with new names, stages and scratch), by what they hold: the products of
+# one kernel that read the same run-time operand (a transformer's Q, K and V projections of one
+# normalised or window-partitioned input) pack it once.
+_PACKED: weakref.WeakKeyDictionary[object, dict[tuple, Packed]] = weakref.WeakKeyDictionary()
+
+
+def _packing_key(spec: Contraction, side: OperandSide, unit: int) -> tuple:
+    """What packed panels hold, as a key: the operand's value at canonical probe variables (the
+    same element expression reads the same values within one kernel), its shape and the panels'."""
+    nb = max(math.prod(side.batch), 1)
+    probes = (var("pack_b", nb), var("pack_x", max(side.extent, 1)), var("pack_k", spec.k))
+    value = side.value(Index(side.batch, flat=probes[0]), probes[1], probes[2])
+    return (value.key, spec.dtype, nb, side.extent, spec.k, unit)
+
+
 def scratch_panels(ctx: StageCtx, spec: Contraction, side: OperandSide, unit: int) -> Packed:
     """The operand packed in panels (the layout of `_panels`, past the extent zero) once per call
-    by a parallel loop nest, which evaluates the operand's fused prologue once per element."""
+    by a parallel loop nest, which evaluates the operand's fused prologue once per element; the
+    panels an earlier product of the same kernel packed of the same operand, if there are."""
+    packed = _PACKED.setdefault(ctx.low.names, {})
+    key = _packing_key(spec, side, unit)
+    if key not in packed:
+        packed[key] = _pack_panels(ctx, spec, side, unit)
+    else:
+        ctx.info[f"{side.name}_operand"] = "packed in scratch by an earlier product"
+    return packed[key]
+
+
+def _pack_panels(ctx: StageCtx, spec: Contraction, side: OperandSide, unit: int) -> Packed:
     nb, panels = max(math.prod(side.batch), 1), -(-side.extent // unit)
     probe, _, px, _ = side.probes(ctx, spec.k)
     total = nb * panels
