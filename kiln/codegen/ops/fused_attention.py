@@ -408,13 +408,15 @@ def _panels(ctx: StageCtx, name: str, mr: int, extent: int, depth: int,
     stmts: list[ir.Stmt] = []
     if full:
         store = ir.ArrayStore(name, at(panel, r), value(add(mul(panel, mr), r), k))
-        if _reads_contiguously(ctx, store.value, k, r):  # K [n, d] as attention has it: rows
-            inner = ir.Loop(r, iconst(0), iconst(mr), [ir.Loop(k, iconst(0), iconst(depth),
-                                                               [store])])
-        else:
-            inner = ir.Loop(k, iconst(0), iconst(depth), [ir.Loop(r, iconst(0), iconst(mr),
-                                                                  [store], simd=True)])
-        stmts.append(ir.Loop(panel, iconst(0), iconst(full), [inner]))
+        # each row of the operand read once, whole (a head's K or V outgrows L1)
+        if _reads_contiguously(ctx, store.value, k, r):  # K [n, d] as attention has it
+            stmts.append(ir.Loop(panel, iconst(0), iconst(full), [
+                ir.Loop(r, iconst(0), iconst(mr), [ir.Loop(k, iconst(0), iconst(depth),
+                                                           [store])])]))
+        else:  # V [n, dv], Kᵀ [d, n]: a row across the panels
+            stmts.append(ir.Loop(k, iconst(0), iconst(depth), [
+                ir.Loop(panel, iconst(0), iconst(full), [ir.Loop(r, iconst(0), iconst(mr),
+                                                                 [store], simd=True)])]))
     if rest:
         last = iconst(full)
         r_in, r_out = ctx.var("r", rest), ctx.var("r", mr - rest, rest)
