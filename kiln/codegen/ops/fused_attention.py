@@ -452,13 +452,16 @@ def _pack_queries(ctx: StageCtx, g: Geometry, qt: str, i0: Expr,
 
 
 def _reads_contiguously(ctx: StageCtx, value: Expr, along: Expr, across: Expr) -> bool:
-    """Whether every tensor `value` reads steps by one along `along` and not along `across` (a
-    loop over `along` innermost reads each contiguously)."""
+    """Whether every tensor `value` reads along either loop (others are loop invariants) steps by
+    one along `along` and not along `across` (a loop over `along` innermost reads each
+    contiguously)."""
     steps = []
     for node in walk([value]):
         if node.op != "load" or node.name not in ctx.graph.tensors:
             continue
         offset = node.args[0]
+        if along not in offset.free and across not in offset.free:
+            continue
         at_zero = {v: np.zeros(2, np.int64) for v in offset.free}
         try:
             steps += [np.diff(evaluate_index(offset, {**at_zero, v: np.arange(2)}))[0]
