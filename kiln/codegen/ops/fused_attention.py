@@ -49,7 +49,6 @@ from kiln.codegen.expr import (
     imin,
     local,
     evaluate_index,
-    index_compare,
     linearize,
     load,
     make,
@@ -236,13 +235,6 @@ def fused_attention(ctx: StageCtx, chain: AttentionChain) -> None:
         lead = broadcast(batch, shape[:-2])
         return read(tensor, Index(shape, dims=[*lead.dims, row, col]))
 
-    def zero_past(position: Expr, extent: int, value_at) -> Expr:
-        """value_at(position) below `extent`, zero past it (the read clamped inside)."""
-        if position.range[1] < extent:
-            return value_at(position)
-        inside = value_at(imin(position, iconst(extent - 1)))
-        return select(index_compare("lt", position, extent), inside, const(0, dtype))
-
     names = {key: ctx.name(key) for key in ("kp", "vp", "qt", "st", "ot", "mx", "sm")}
     kp, vp, qt, st, ot, mx, sm = names.values()
     body: list[ir.Stmt] = [
@@ -257,14 +249,8 @@ def fused_attention(ctx: StageCtx, chain: AttentionChain) -> None:
                     dtype)
     body += _panels(ctx, vp, g.mr_values, g.dv, g.n,
                     lambda col, j: at(second.inputs[1], j, col), dtype)
-    tile_body: list[ir.Stmt] = []
-    # Qᵀ of the tile: qt[k·rows_pad + c] = Q[i0 + c, k], zero past the last query row
-    k2, c = ctx.var("kk", g.d), ctx.var("c", g.rows_pad)
-    tile_body.append(ir.Loop(k2, iconst(0), iconst(g.d), [
-        ir.Loop(c, iconst(0), iconst(g.rows_pad), [
-            ir.ArrayStore(qt, add(mul(k2, g.rows_pad), c),
-                          zero_past(add(i0, c), g.m, lambda i: at(first.inputs[0], i, k2)))],
-                simd=True)]))
+    tile_body: list[ir.Stmt] = _pack_queries(ctx, g, qt, i0, lambda i, k: at(first.inputs[0], i, k),
+                                             dtype)
     tile_body.append(_product(ctx, uk_keys, g.n_pad, g.d, kp, g.d, qt, st, g.rows_pad))
 
     # the chain's elementwise ops, column maxima, exponentials and column sums
@@ -284,16 +270,20 @@ def fused_attention(ctx: StageCtx, chain: AttentionChain) -> None:
         ir.ArrayStore(mx, c3, const(-math.inf, dtype)), ir.ArrayStore(sm, c3, const(0, dtype))],
         simd=True))
     s = local(ctx.name("sc"), dtype)  # the score after the chain's elementwise ops
+    # the scores as the product left them need no store back
+    keep = [] if score == held.value else [ir.ArrayStore(st, slot, s)]
     tile_body.append(ir.Loop(j2, iconst(0), iconst(g.n), [
         ir.Loop(c2, iconst(0), iconst(g.rows_pad), [
-            ir.Let(s, score), ir.ArrayStore(st, slot, s),
+            ir.Let(s, score), *keep,
             ir.ArrayStore(mx, c2, select(make("gt", BOOL, (s, best)), s, best))], simd=True)]))
+    # exp(s − max) ≤ 1 and the sum ≥ 1: exp_flush's zero for terms below 2^-126 (kiln.codegen.cmath)
+    # changes no probability, and saves exp's tails
     c4, j3 = ctx.var("c", g.rows_pad), ctx.var("j", g.n)
     slot3 = add(mul(j3, g.rows_pad), c4)
     e = local(ctx.name("e"), dtype)
     tile_body.append(ir.Loop(j3, iconst(0), iconst(g.n), [
         ir.Loop(c4, iconst(0), iconst(g.rows_pad), [
-            ir.Let(e, call("exp", dtype, binary("sub", array_load(st, dtype, slot3),
+            ir.Let(e, call("exp_flush", dtype, binary("sub", array_load(st, dtype, slot3),
                                                 array_load(mx, dtype, c4)))),
             ir.ArrayStore(st, slot3, e),
             ir.ArrayStore(sm, c4, binary("add", array_load(sm, dtype, c4), e))], simd=True)]))
@@ -417,10 +407,16 @@ def _panels(ctx: StageCtx, name: str, mr: int, extent: int, depth: int,
 
     stmts: list[ir.Stmt] = []
     if full:
-        stmts.append(ir.Loop(panel, iconst(0), iconst(full), [ir.Loop(k, iconst(0), iconst(depth), [
-            ir.Loop(r, iconst(0), iconst(mr), [
-                ir.ArrayStore(name, at(panel, r), value(add(mul(panel, mr), r), k))],
-                simd=True)])]))
+        store = ir.ArrayStore(name, at(panel, r), value(add(mul(panel, mr), r), k))
+        # each row of the operand read once, whole (a head's K or V outgrows L1)
+        if _reads_contiguously(ctx, store.value, k, r):  # K [n, d] as attention has it
+            stmts.append(ir.Loop(panel, iconst(0), iconst(full), [
+                ir.Loop(r, iconst(0), iconst(mr), [ir.Loop(k, iconst(0), iconst(depth),
+                                                           [store])])]))
+        else:  # V [n, dv], Kᵀ [d, n]: a row across the panels
+            stmts.append(ir.Loop(k, iconst(0), iconst(depth), [
+                ir.Loop(panel, iconst(0), iconst(full), [ir.Loop(r, iconst(0), iconst(mr),
+                                                                 [store], simd=True)])]))
     if rest:
         last = iconst(full)
         r_in, r_out = ctx.var("r", rest), ctx.var("r", mr - rest, rest)
@@ -430,6 +426,49 @@ def _panels(ctx: StageCtx, name: str, mr: int, extent: int, depth: int,
             ir.Loop(r_out, iconst(rest), iconst(mr), [
                 ir.ArrayStore(name, at(last, r_out), const(0, dtype))], simd=True)]))
     return stmts
+
+
+def _pack_queries(ctx: StageCtx, g: Geometry, qt: str, i0: Expr,
+                  value: Callable[[Expr, Expr], Expr], dtype: str) -> list[ir.Stmt]:
+    """Qᵀ of the tile: qt[k·rows_pad + c] = value(i0 + c, k) = Q[i0 + c, k], zero past the last
+    query row (a loop of its own, so that no read is clamped). Along Q's contiguous axis: a query
+    row at a time where Q steps by one along k (Q [m, d], heads packed as [L, H·D]), whose
+    scattered stores cost less than reads a row apart."""
+    k, c = ctx.var("kk", g.d), ctx.var("c", g.rows_pad)
+    inside = imin(iconst(g.rows_pad), sub(iconst(g.m), i0))  # columns of real query rows
+    store = ir.ArrayStore(qt, add(mul(k, g.rows_pad), c), value(add(i0, c), k))
+    if _reads_contiguously(ctx, store.value, k, c):
+        loops = [ir.Loop(c, iconst(0), inside, [ir.Loop(k, iconst(0), iconst(g.d), [store])])]
+    else:
+        loops = [ir.Loop(k, iconst(0), iconst(g.d), [ir.Loop(c, iconst(0), inside, [store],
+                                                             simd=True)])]
+    if g.tiles * g.rows_pad > g.m:
+        k0, c0 = ctx.var("kk", g.d), ctx.var("c", g.rows_pad)
+        loops.append(ir.Loop(k0, iconst(0), iconst(g.d), [
+            ir.Loop(c0, inside, iconst(g.rows_pad),
+                    [ir.ArrayStore(qt, add(mul(k0, g.rows_pad), c0), const(0, dtype))],
+                    simd=True)]))
+    return loops
+
+
+def _reads_contiguously(ctx: StageCtx, value: Expr, along: Expr, across: Expr) -> bool:
+    """Whether every tensor `value` reads along either loop (others are loop invariants) steps by
+    one along `along` and not along `across` (a loop over `along` innermost reads each
+    contiguously)."""
+    steps = []
+    for node in walk([value]):
+        if node.op != "load" or node.name not in ctx.graph.tensors:
+            continue
+        offset = node.args[0]
+        if along not in offset.free and across not in offset.free:
+            continue
+        at_zero = {v: np.zeros(2, np.int64) for v in offset.free}
+        try:
+            steps += [np.diff(evaluate_index(offset, {**at_zero, v: np.arange(2)}))[0]
+                      if v in at_zero else 0 for v in (along, across)]
+        except NotEvaluable:
+            return False
+    return bool(steps) and all(step == 1 for step in steps[0::2]) and 1 not in steps[1::2]
 
 
 def _product(ctx: StageCtx, uk, m_pad: int, kc: int, a: str, a_k: int, b: str, c: str,
