@@ -185,10 +185,9 @@ class BuildCache:
         with tempfile.TemporaryDirectory(prefix=".batch-", dir=self.root) as folder:
             c_file, batch = Path(folder) / "batch.c", Path(folder) / "batch.o"
             c_file.write_text("\n".join(u.source for u in units))
-            names = ", ".join(u.name for u in units)
             try:
                 run_tool([compiler.command, *compiler.flags, *BATCH_FLAGS, "-c", str(c_file),
-                          "-o", str(batch)], f"compiling {names} together", deadline)
+                          "-o", str(batch)], f"compiling {_together(units)}", deadline)
             except ToolchainError:
                 if deadline is not None and time.monotonic() >= deadline:
                     raise
@@ -204,6 +203,12 @@ class BuildCache:
             run_tool([linker, "-r", "--gc-sections", "-u", unit.function, str(batch),
                       "-o", str(tmp)], f"cutting {unit.name} out of its batch", deadline)
             os.replace(tmp, obj)
+
+
+def _together(units: Sequence[_Unit], named: int = 3) -> str:
+    names = ", ".join(u.name for u in units[:named])
+    more = len(units) - named
+    return f"{names} and {more} more together" if more > 0 else f"{names} together"
 
 
 def _jobs(units: list[_Unit], cpus: int, can_batch: bool) -> list[list[_Unit]]:
