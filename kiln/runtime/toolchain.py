@@ -49,10 +49,10 @@ BATCH_BYTES = 16 << 10
 # Each function in its own section, so a kernel's object can be cut out of its batch's; no
 # identical-code folding, which would make one kernel's function jump into another's.
 BATCH_FLAGS = ("-ffunction-sections", "-fdata-sections", "-fno-ipa-icf")
-# A guarded definition (`#ifndef G` / `#define G` ... `#endif`) that GCC may specialise for its
-# callers (a non-inlined static helper: a GEMM micro-kernel) is kept to one kernel per batch, so
-# it is compiled for the same caller as when its kernel is compiled alone.
-GUARDED = re.compile(r"^#ifndef (\w+)\n#define \1\n(.*?)^#endif", re.MULTILINE | re.DOTALL)
+# A kernel with a non-inlined static function (a GEMM micro-kernel) is compiled alone: GCC
+# specialises such a function for the constant arguments of its callers in the translation unit
+# (IPA-CP clones), and in a batch it was found to clone fewer than alone.
+NOINLINE = re.compile(r"\bnoinline\b")
 
 
 class ToolchainError(KilnError):
@@ -213,38 +213,23 @@ def _together(units: Sequence[_Unit], named: int = 3) -> str:
 
 def _jobs(units: list[_Unit], cpus: int, can_batch: bool) -> list[list[_Unit]]:
     """The compiles for `units`, largest first: batches of small kernels, the rest alone."""
-    small = [u for u in units
-             if can_batch and u.function is not None and len(u.source) <= SOLO_BYTES]
+    small = [u for u in units if can_batch and u.function is not None
+             and len(u.source) <= SOLO_BYTES and not NOINLINE.search(u.source)]
     batched = {u.key for u in small}
     jobs = [[u] for u in units if u.key not in batched] + _batches(small, cpus)
     return sorted(jobs, key=lambda job: -sum(len(u.source) for u in job))
 
 
 def _batches(units: list[_Unit], cpus: int) -> list[list[_Unit]]:
-    """`units` in at most `cpus` batches of at least BATCH_BYTES, balanced by size (more when
-    helpers GCC may specialise per caller would otherwise share one)."""
+    """`units` in at most `cpus` batches of at least BATCH_BYTES, balanced by size."""
     total = sum(len(u.source) for u in units)
-    count = max(1, min(cpus, total // BATCH_BYTES))
-    batches: list[list[_Unit]] = [[] for _ in range(count)]
-    sizes = [0] * count
-    helpers: list[set[str]] = [set() for _ in range(count)]
+    batches: list[list[_Unit]] = [[] for _ in range(max(1, min(cpus, total // BATCH_BYTES)))]
+    sizes = [0] * len(batches)
     for unit in sorted(units, key=lambda u: (-len(u.source), u.key)):
-        own = _specialisable_helpers(unit.source)
-        fits = [i for i in range(len(batches)) if not helpers[i] & own]
-        if not fits:
-            batches.append([])
-            sizes.append(0)
-            helpers.append(set())
-            fits = [len(batches) - 1]
-        i = min(fits, key=lambda i: sizes[i])
+        i = sizes.index(min(sizes))
         batches[i].append(unit)
         sizes[i] += len(unit.source)
-        helpers[i] |= own
     return [b for b in batches if b]
-
-
-def _specialisable_helpers(source: str) -> set[str]:
-    return {m.group(1) for m in GUARDED.finditer(source) if "noinline" in m.group(2)}
 
 
 @cache
