@@ -137,9 +137,12 @@ def _binaries(sources: dict[str, str], units: dict[str, driver.KernelUnit], targ
     """The shared library and the runner; objects are named in compiler errors by `labels`."""
     backend = backend_for(target)
     labels = {"model.c": "the model driver", backend.runner: "the runner"}
+    functions = {}  # label -> function, of the kernels compiled on the host
     if DRIVERS[backend.driver][1]:
         for symbol, unit in units.items():
-            labels.setdefault(f"{unit.function}{backend.toolchain.source_suffix}", f"kernel {symbol}")
+            label = labels.setdefault(f"{unit.function}{backend.toolchain.source_suffix}",
+                                      f"kernel {symbol}")
+            functions[label] = unit.function
     compiled = {labels[name]: driver.with_header(text)
                 for name, text in sources.items() if name in labels}
     images = {}
@@ -149,7 +152,7 @@ def _binaries(sources: dict[str, str], units: dict[str, driver.KernelUnit], targ
         compiled["the CUDA kernel images"] = cuda_driver.images_source(built)
         images = dict(zip(built.names, (built.cubin, built.ptx)))
     compiler = compiler_for(target)
-    objects = cache.objects(compiler, compiled, deadline)
+    objects = cache.objects(compiler, compiled, deadline, kernels=functions)
     runner = objects.pop("the runner")
     link_shared(compiler, list(objects.values()), folder / "model.so", deadline)
     link_executable(compiler, [*objects.values(), runner], folder / "runner", deadline,

@@ -1,6 +1,7 @@
 """The toolchain: objects cached by content hash, clear errors from the compiler."""
 from __future__ import annotations
 
+import ctypes
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -10,12 +11,14 @@ import pytest
 from kiln.codegen import Kernel
 from kiln.runtime.artifact import build_artifact
 from kiln.errors import KilnError
+from kiln.runtime import toolchain
 from kiln.runtime.toolchain import (
     BUILD_TIMEOUT_ENV,
     BuildCache,
     ToolchainError,
     build_timeout,
     compiler_for,
+    link_shared,
 )
 from kiln.target import Target, target
 from tests.runtime.handmade import chain, mlp
@@ -126,3 +129,73 @@ def test_the_default_build_deadline_grows_with_the_sources(monkeypatch):
     monkeypatch.setenv(BUILD_TIMEOUT_ENV, "-1")
     with pytest.raises(KilnError, match=BUILD_TIMEOUT_ENV):
         build_timeout(1)
+
+
+def _kernel_source(function: str, value: int, helper: str = "") -> str:
+    """A kernel writing `value`, through a guarded noinline helper named `helper` if given (as
+    generated kernels call their micro-kernels)."""
+    if not helper:
+        return f"void {function}(void *const *args) {{ *(int *)args[0] = {value}; }}\n"
+    return (f"#ifndef KILN_HELPER_{helper.upper()}\n#define KILN_HELPER_{helper.upper()}\n"
+            f"static __attribute__((noinline)) int {helper}(int v) {{ return v; }}\n#endif\n"
+            f"void {function}(void *const *args) {{ *(int *)args[0] = {helper}({value}); }}\n")
+
+
+def _record_compiles(monkeypatch) -> list[str]:
+    """The source of each translation unit the toolchain compiles from now on."""
+    units: list[str] = []
+    real = toolchain.run_tool
+
+    def recording(argv, what, deadline=None):
+        if "-c" in argv:
+            units.append(Path(argv[argv.index("-c") + 1]).read_text())
+        return real(argv, what, deadline)
+
+    monkeypatch.setattr(toolchain, "run_tool", recording)
+    return units
+
+
+def test_kernels_compiled_together_are_cached_and_linked_one_by_one(tmp_path, monkeypatch):
+    compiler = compiler_for(target("host"))
+    if toolchain.relocatable_linker(compiler.command) is None:
+        pytest.skip("the host compiler has no linker to cut objects with")
+    compiles = _record_compiles(monkeypatch)
+    cache = BuildCache(tmp_path / "cache")
+    functions = {f"kernel k{i}": f"kiln_k_{i}" for i in range(4)}
+    sources = {name: _kernel_source(f, i + 10) for i, (name, f) in enumerate(functions.items())}
+    first = cache.objects(compiler, {n: sources[n] for n in list(sources)[:3]}, kernels=functions)
+    assert (cache.compiled, len(compiles)) == (3, 1)  # three kernels, one compiler process
+    second = cache.objects(compiler, {n: sources[n] for n in list(sources)[1:]}, kernels=functions)
+    assert (cache.compiled, cache.reused) == (4, 2)
+    objects = {**first, **second}
+    # each kernel's object defines its function alone: a build linking objects cut from two
+    # batches gets every function once
+    library = tmp_path / "kernels.so"
+    link_shared(compiler, list(objects.values()), library)
+    loaded = ctypes.CDLL(str(library))
+    for i, (name, function) in enumerate(functions.items()):
+        out = ctypes.c_int(0)
+        getattr(loaded, function)((ctypes.c_void_p * 1)(ctypes.addressof(out)))
+        assert out.value == i + 10, name
+    assert not list((tmp_path / "cache").rglob("*.tmp"))
+    assert not list((tmp_path / "cache").glob(".batch-*"))
+
+
+def test_a_kernel_with_a_noinline_helper_is_compiled_alone(tmp_path, monkeypatch):
+    """GCC specialises a non-inlined static helper for its callers' constant arguments; alone,
+    the kernel gets the code it gets in any build."""
+    compiler = compiler_for(target("host"))
+    compiles = _record_compiles(monkeypatch)
+    functions = {f"kernel k{i}": f"kiln_k_{i}" for i in range(4)}
+    sources = {name: _kernel_source(f, i + 20, helper="kiln_ukr_test" if i < 2 else "")
+               for i, (name, f) in enumerate(functions.items())}
+    objects = BuildCache(tmp_path / "cache").objects(compiler, sources, kernels=functions)
+    assert sorted(unit.count("kiln_k_") for unit in compiles) == [1, 1, 2]
+    assert all(unit.count("noinline") <= 1 for unit in compiles)
+    library = tmp_path / "kernels.so"
+    link_shared(compiler, list(objects.values()), library)
+    loaded = ctypes.CDLL(str(library))
+    for i, function in enumerate(functions.values()):
+        out = ctypes.c_int(0)
+        getattr(loaded, function)((ctypes.c_void_p * 1)(ctypes.addressof(out)))
+        assert out.value == i + 20, function
