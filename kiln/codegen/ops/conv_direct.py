@@ -406,7 +406,7 @@ PLANE_BYTES = 1 << 18  # a depthwise plane's padded copy and sums live on the st
 REGISTERS = 32  # vector registers on AVX-512 and NEON (AVX2 has 16: it spills a little sooner)
 
 
-def _calls(stmts: list[ir.Stmt]) -> bool:
+def calls_function(stmts: list[ir.Stmt]) -> bool:
     """Whether the statements call a function (a transcendental: exp, tanh, …)."""
     return any(e.op == "call" for e in walk(ir.all_exprs(stmts)))
 
@@ -486,7 +486,7 @@ def depthwise_plane(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: Con
     oy, ox = ctx.var("y", oh), ctx.var("x", ow)
     in_rows = ctx.results({0: (Index(out.shape, dims=[n, m, oy, ox]), ops.finish(
         window_sum(add(mul(oy, grid.wq), ox), passes[0], None), m))})
-    if len(passes) == 1 and ow >= 2 * lanes and ow % lanes == 0 and not _calls(in_rows):
+    if len(passes) == 1 and ow >= 2 * lanes and ow % lanes == 0 and not calls_function(in_rows):
         # rows of whole vectors under a cheap epilogue (ReLU6): each row's window sums go
         # through it straight to the output, with no plane of sums written and read back
         # (3 × 3 on 56 × 56 and 112 × 112 planes: 0.9× the time; with a SiLU's exp in the same
@@ -507,7 +507,7 @@ def depthwise_plane(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: Con
     row_sum = array_load(sums, dtype, add(mul(oy, grid.wq), ox))
     arrays = [ir.DeclArray(plane, dtype, grid.segment), ir.DeclArray(sums, dtype, oh * grid.wq)]
     by_rows = ctx.results({0: (Index(out.shape, dims=[n, m, oy, ox]), ops.finish(row_sum, m))})
-    if oh > 1 and (ow < 2 * lanes or (ow % lanes and _calls(by_rows))):
+    if oh > 1 and (ow < 2 * lanes or (ow % lanes and calls_function(by_rows))):
         # rows under two vectors would run the epilogue mostly in scalar code, and each row's
         # remainder past its last whole vector runs there too: with a call in the epilogue (a
         # SiLU's exp) the rows' sums are first packed densely, then one vector loop runs over
