@@ -315,6 +315,17 @@ def test_one_row_times_constant_weights_runs_one_row_tiles(k, n, trans_b, activa
     assert stage["b_operand"] == "pre-packed constant" and stage["a_operand"] == "read in place"
 
 
+def test_one_row_with_a_prologue_times_weights_packs_its_row():
+    """A row computed by a fused prologue (a Sigmoid) is packed once, as a one-row panel."""
+    spec = {"a": ((1, 300), "float32")}
+    w = np.random.default_rng(1).standard_normal((300, 130)).astype(np.float32)
+    nodes = [helper.make_node("Sigmoid", ["a"], ["s"]), helper.make_node("MatMul", ["s", "w"], ["y"])]
+    kernels = run_with(model(nodes, spec, ["y"], {"w": w}), spec,
+                       Schedule(gemm_kc=64, gemm_l2_bytes=0))
+    stage = next(s for k in kernels for s in k.schedule["stages"] if s.get("form") == "packed")
+    assert stage["micro_kernel"].startswith("1x") and stage["a_operand"] == "packed in scratch"
+
+
 def test_one_row_times_an_activation_is_not_a_packed_gemm():
     """A run-time B would be packed for a single use of each element: the ikj loop nest reads it."""
     spec = {"a": ((1, 24), "float32"), "b": ((24, 40), "float32")}
