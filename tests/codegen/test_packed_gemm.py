@@ -315,6 +315,19 @@ def test_one_row_times_constant_weights_runs_one_row_tiles(k, n, trans_b, activa
     assert stage["b_operand"] == "pre-packed constant" and stage["a_operand"] == "read in place"
 
 
+@pytest.mark.parametrize("k, n, threads", [(768, 768, 1), (1100, 1000, 2)])
+def test_one_row_times_a_few_megabytes_of_weights_runs_on_one_thread(k, n, threads):
+    """Waking a second thread costs more than half of a short stream of weights."""
+    from kiln.codegen.gemm.packed import SERIAL_ROW_WEIGHT_BYTES
+    assert (k * n * 4 <= SERIAL_ROW_WEIGHT_BYTES) == (threads == 1)
+    spec = {"a": ((1, k), "float32")}
+    w = np.random.default_rng(3).standard_normal((k, n)).astype(np.float32)
+    m = model([helper.make_node("MatMul", ["a", "w"], ["y"])], spec, ["y"], {"w": w})
+    kernels = run_with(m, spec, Schedule())
+    assert forms(kernels) == {"packed"}
+    assert any("omp parallel" in k.source for k in kernels) == (threads == 2)
+
+
 def test_one_row_with_a_prologue_times_weights_packs_its_row():
     """A row computed by a fused prologue (a Sigmoid) is packed once, as a one-row panel."""
     spec = {"a": ((1, 300), "float32")}

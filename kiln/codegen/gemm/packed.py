@@ -107,6 +107,19 @@ def _row_tile(uk: MicroKernel) -> MicroKernel:
     return replace(uk, mr=1, nr=ROW_TILE_VECTORS * uk.lanes)
 
 
+# A one-row product reads each weight once: with at most this many bytes of them it runs on one
+# thread. On a 2-vCPU Zen 3 (wall time, interleaved, other processes running) 1 × 768 by 768 and
+# 1 × 512 by 1000 took 0.42–0.5× the time on one thread as on two, whose second thread's wake-up
+# cost more than its half of a ~35 µs stream (the runner's best tenth: 34 µs on one thread, 39 on
+# two); 1 × 1280 by 1000 (5 MB) 0.63×, yet 1 × 2048 by 1000 (8 MB) halved on two threads when
+# both ran at once.
+SERIAL_ROW_WEIGHT_BYTES = 1 << 22
+
+
+def _serial(spec: Contraction, rows: int, itemsize: int) -> bool:
+    return rows == 1 and spec.k * spec.n * itemsize <= SERIAL_ROW_WEIGHT_BYTES
+
+
 @dataclass(frozen=True)
 class _Product:
     """The product the tasks compute: its micro-kernel, packed operands, whether its rows run
@@ -386,8 +399,11 @@ def _stage(ctx: StageCtx, spec: Contraction, pr: _Product, t: _Task, tile_update
     body = [ir.DeclArray(t.tile, spec.dtype, blk.mc * blk.nc), *b_copied,
             ir.Loop(t.kb, iconst(0), iconst(k_blocks), [*per_slice, *compute])]
     bt = math.prod(spec.batch)
+    serial = _serial(spec, pr.rows, 4 if spec.dtype == "float32" else 8)
+    if serial:
+        ctx.info["threads"] = "one (a short stream of weights)"
     ctx.stage(f"contraction {ctx.op.op_type} ({ctx.op.id}), packed GEMM",
-              [ir.Loop(t.p, iconst(0), iconst(tasks), body, parallel=1,
+              [ir.Loop(t.p, iconst(0), iconst(tasks), body, parallel=0 if serial else 1,
                        grain="one" if ctx.schedule.gemm_omp_schedule == "dynamic" else "even")],
               bt * spec.m * spec.n * spec.k)
     ctx.info.update(form="packed", micro_kernel=f"{uk.mr}x{uk.nr}", vector_bytes=uk.vector_bytes,
