@@ -276,12 +276,12 @@ def test_matrix_vector_products_are_dot_products():
 
 
 @settings(max_examples=12, deadline=None)
-@given(m=st.integers(1, 3), k=st.integers(1, 40), n=st.integers(8, 70), trans_b=st.booleans(),
+@given(m=st.integers(2, 3), k=st.integers(1, 40), n=st.integers(8, 70), trans_b=st.booleans(),
        width=st.sampled_from([8, 16, 64]))
 def test_few_rows_times_constant_weights_stream_column_panels(m, k, n, trans_b, width):
-    """Too few rows for the packed GEMM (a matrix-vector product): the weights, plain or
-    transposed, are gathered into panels of the tile's columns (a ragged last one zero-padded),
-    each tile reading its panel as one stream; bias and activation after."""
+    """Too few rows for the packed GEMM: the weights, plain or transposed, are gathered into
+    panels of the tile's columns (a ragged last one zero-padded), each tile reading its panel as
+    one stream; bias and activation after."""
     spec = {"a": ((m, k), "float32")}
     rng = np.random.default_rng(m * 131 + k * 7 + n)
     w = rng.standard_normal((n, k) if trans_b else (k, n)).astype(np.float32)
@@ -292,6 +292,58 @@ def test_few_rows_times_constant_weights_stream_column_panels(m, k, n, trans_b, 
                        Schedule(matmul_tile_n=width))
     stage = next(s for k in kernels for s in k.schedule["stages"] if s.get("form") == "ikj")
     assert stage["b_operand"] == "constant in column panels"
+
+
+@settings(max_examples=16, deadline=None)
+@given(k=st.integers(1, 300), n=st.integers(8, 300), trans_b=st.booleans(),
+       activation=st.sampled_from(["Relu", "Tanh"]), tile=st.sampled_from(TILES))
+def test_one_row_times_constant_weights_runs_one_row_tiles(k, n, trans_b, activation, tile):
+    """A vector times weights (a classifier head): the packed GEMM with one-row tiles of 8
+    vectors over the weights pre-packed in panels, A read in place; a ragged last panel, slices
+    of the sum, and the epilogue in registers (ReLU) or through the tile (Tanh)."""
+    vb, _, _ = tile
+    spec = {"a": ((1, k), "float32")}
+    rng = np.random.default_rng(k * 7 + n)
+    w = rng.standard_normal((n, k) if trans_b else (k, n)).astype(np.float32)
+    bias = rng.standard_normal(n).astype(np.float32)
+    nodes = [helper.make_node("Gemm", ["a", "w", "bias"], ["h"], transB=int(trans_b)),
+             helper.make_node(activation, ["h"], ["y"])]
+    kernels = run_with(model(nodes, spec, ["y"], {"w": w, "bias": bias}), spec,
+                       Schedule(vector_bytes=vb, gemm_kc=64, gemm_l2_bytes=0))
+    stage = next(s for k in kernels for s in k.schedule["stages"] if s.get("form") == "packed")
+    assert stage["micro_kernel"] == f"1x{8 * vb // 4}"
+    assert stage["b_operand"] == "pre-packed constant" and stage["a_operand"] == "read in place"
+
+
+@pytest.mark.parametrize("k, n, threads", [(768, 768, 1), (1100, 1000, 2)])
+def test_one_row_times_a_few_megabytes_of_weights_runs_on_one_thread(k, n, threads):
+    """Waking a second thread costs more than half of a short stream of weights."""
+    from kiln.codegen.gemm.packed import SERIAL_ROW_WEIGHT_BYTES
+    assert (k * n * 4 <= SERIAL_ROW_WEIGHT_BYTES) == (threads == 1)
+    spec = {"a": ((1, k), "float32")}
+    w = np.random.default_rng(3).standard_normal((k, n)).astype(np.float32)
+    m = model([helper.make_node("MatMul", ["a", "w"], ["y"])], spec, ["y"], {"w": w})
+    kernels = run_with(m, spec, Schedule())
+    assert forms(kernels) == {"packed"}
+    assert any("omp parallel" in k.source for k in kernels) == (threads == 2)
+
+
+def test_one_row_with_a_prologue_times_weights_packs_its_row():
+    """A row computed by a fused prologue (a Sigmoid) is packed once, as a one-row panel."""
+    spec = {"a": ((1, 300), "float32")}
+    w = np.random.default_rng(1).standard_normal((300, 130)).astype(np.float32)
+    nodes = [helper.make_node("Sigmoid", ["a"], ["s"]), helper.make_node("MatMul", ["s", "w"], ["y"])]
+    kernels = run_with(model(nodes, spec, ["y"], {"w": w}), spec,
+                       Schedule(gemm_kc=64, gemm_l2_bytes=0))
+    stage = next(s for k in kernels for s in k.schedule["stages"] if s.get("form") == "packed")
+    assert stage["micro_kernel"].startswith("1x") and stage["a_operand"] == "packed in scratch"
+
+
+def test_one_row_times_an_activation_is_not_a_packed_gemm():
+    """A run-time B would be packed for a single use of each element: the ikj loop nest reads it."""
+    spec = {"a": ((1, 24), "float32"), "b": ((24, 40), "float32")}
+    m = model([helper.make_node("MatMul", ["a", "b"], ["y"])], spec, ["y"])
+    assert "packed" not in forms(run_with(m, spec, Schedule()))
 
 
 def test_attention_scores_transposed_operand():

@@ -81,7 +81,43 @@ def least_padding_tile(uk: MicroKernel, rows: int) -> MicroKernel:
 def packed_applies(ctx: StageCtx, spec: Contraction) -> bool:
     s = ctx.schedule
     return (spec.dtype in ("float32", "float64") and spec.k > 0 and s.vector_bytes > 0
-            and spec.m >= s.gemm_min_m and spec.n >= s.gemm_min_n)
+            and (spec.m >= s.gemm_min_m or _vector_times_weights(ctx, spec))
+            and spec.n >= s.gemm_min_n)
+
+
+# The vectors of a matrix-vector product's one-row tile: each step of the sum is one broadcast and
+# this many FMAs into accumulators of their own, enough to cover an FMA's latency on two pipes
+# (4 cycles × 2 on Zen 3 and recent Intel cores).
+ROW_TILE_VECTORS = 8
+
+
+def _vector_times_weights(ctx: StageCtx, spec: Contraction) -> bool:
+    """One row times a constant matrix (a classifier head, a decoder's step): a packed GEMM of
+    one-row tiles (`_row_tile`) over the weights pre-packed in panels. On Zen 3 (2 threads,
+    CPU-time medians) a 1 × 768 by 768 product took 0.5× the time of the ikj loop nest, which
+    keeps its accumulators in a local array, loaded and stored at every step of the sum."""
+    if spec.m != 1 or math.prod(spec.batch) != 1:
+        return False
+    probe = spec.b(Index(spec.b_batch, flat=iconst(0)), ctx.var("pk", spec.k), ctx.var("pj", spec.n))
+    return (probe.op == "load" and probe.name in ctx.graph.tensors
+            and ctx.graph.tensors[probe.name].is_constant)
+
+
+def _row_tile(uk: MicroKernel) -> MicroKernel:
+    return replace(uk, mr=1, nr=ROW_TILE_VECTORS * uk.lanes)
+
+
+# A one-row product reads each weight once: with at most this many bytes of them it runs on one
+# thread. On a 2-vCPU Zen 3 (wall time, interleaved, other processes running) 1 × 768 by 768 and
+# 1 × 512 by 1000 took 0.42–0.5× the time on one thread as on two, whose second thread's wake-up
+# cost more than its half of a ~35 µs stream (the runner's best tenth: 34 µs on one thread, 39 on
+# two); 1 × 1280 by 1000 (5 MB) 0.63×, yet 1 × 2048 by 1000 (8 MB) halved on two threads when
+# both ran at once.
+SERIAL_ROW_WEIGHT_BYTES = 1 << 22
+
+
+def _serial(spec: Contraction, rows: int, itemsize: int) -> bool:
+    return rows == 1 and spec.k * spec.n * itemsize <= SERIAL_ROW_WEIGHT_BYTES
 
 
 @dataclass(frozen=True)
@@ -145,7 +181,10 @@ def _product(ctx: StageCtx, spec: Contraction, uk: MicroKernel,
     b_side = OperandSide("b", lambda bi, j, k: spec.b(bi, k, j), spec.b_batch, spec.n)
     bt = math.prod(spec.batch)
     packed_across_batch = False
-    if packed_a is None:
+    if packed_a is None and spec.m < ctx.schedule.gemm_min_m:  # (`_vector_times_weights`)
+        uk = _row_tile(uk)
+        packed_a = a_rows_in_place(ctx, spec, a)
+    elif packed_a is None:
         padded = least_padding_tile(uk, spec.m)
         packed_a = constant_panels(ctx, spec, a, padded.mr) or a_rows_in_place(ctx, spec, a)
         if packed_a is None and _packs_across_batch(spec):
@@ -154,7 +193,7 @@ def _product(ctx: StageCtx, spec: Contraction, uk: MicroKernel,
             packed_across_batch = True
         elif packed_a is None or not packed_a.in_place:
             uk = padded
-        packed_a = packed_a or scratch_panels(ctx, spec, a, uk.mr)
+    packed_a = packed_a or scratch_panels(ctx, spec, a, uk.mr)
     itemsize = 4 if spec.dtype == "float32" else 8
     uk = _tile_for_rows(ctx, uk, packed_a, itemsize)
     packed_b = constant_panels(ctx, spec, b_side, uk.nr)
@@ -360,8 +399,11 @@ def _stage(ctx: StageCtx, spec: Contraction, pr: _Product, t: _Task, tile_update
     body = [ir.DeclArray(t.tile, spec.dtype, blk.mc * blk.nc), *b_copied,
             ir.Loop(t.kb, iconst(0), iconst(k_blocks), [*per_slice, *compute])]
     bt = math.prod(spec.batch)
+    serial = _serial(spec, pr.rows, 4 if spec.dtype == "float32" else 8)
+    if serial:
+        ctx.info["threads"] = "one (a short stream of weights)"
     ctx.stage(f"contraction {ctx.op.op_type} ({ctx.op.id}), packed GEMM",
-              [ir.Loop(t.p, iconst(0), iconst(tasks), body, parallel=1,
+              [ir.Loop(t.p, iconst(0), iconst(tasks), body, parallel=0 if serial else 1,
                        grain="one" if ctx.schedule.gemm_omp_schedule == "dynamic" else "even")],
               bt * spec.m * spec.n * spec.k)
     ctx.info.update(form="packed", micro_kernel=f"{uk.mr}x{uk.nr}", vector_bytes=uk.vector_bytes,
