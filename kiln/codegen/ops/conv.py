@@ -301,10 +301,10 @@ def _by_pixels(ctx: StageCtx, ops: ConvOperands, batch: tuple[int, ...],
     epilogue that call no function (ReLU, Clip, a residual added) run in the GEMM's tile
     epilogue, each result stored through them into its channel's plane (on Zen 3, CPU time of
     1 × 1 and strided 3 × 3 convs onto 14 × 14 and 7 × 7 with a ReLU: 0.77-1.02x at 2 threads,
-    one parallel region and one pass over the output fewer; 0.93-1.1x, noisy, at 1). Else the raw sums go to scratch in
-    the output's layout, then the bias and the epilogue run in one pass over the output,
-    vectorised along its pixels: a micro-tile holds only `mr` pixels of a channel, too few for
-    a vector loop (a SiLU's exp would run in scalar code)."""
+    one parallel region and one pass over the output fewer; 0.93-1.1x, noisy, at 1). Else the
+    raw sums go to scratch in the output's layout, then the bias and the epilogue run in one
+    pass over the output, vectorised along its pixels: a micro-tile holds only `mr` pixels of a
+    channel, too few for a vector loop (a SiLU's exp would run in scalar code)."""
     out = ctx.out()
     pixels, channels, reduction = sizes
 
