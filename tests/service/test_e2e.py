@@ -167,9 +167,12 @@ def test_embedded_worker_sigkill_restarts(embedded, tmp_path):
     with KilnClient(embedded.url, embedded.api_key) as client:
         job = _submit_and_wait_running(client, "efficientnet-b0")
         for pid in embedded.worker_pids():  # the worker and its pool; `kiln serve` restarts it
-            for child in _children(pid) + [pid]:
+            # the worker first: killed after its compile child, it could see the child die and
+            # give the job back, its retry then held by a dead worker (and the job queued until
+            # the reaper's resend, 15 minutes on)
+            for victim in [pid, *_children(pid)]:
                 try:
-                    os.kill(child, signal.SIGKILL)
+                    os.kill(victim, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
         _check_completed_once(embedded, client, job["id"], tmp_path, "efficientnet-b0")
