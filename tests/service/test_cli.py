@@ -186,9 +186,12 @@ def test_jobs_status_cancel_and_download(served, tmp_path):
 
 
 def test_ctrl_c_during_submit_wait_says_how_to_follow_or_cancel_the_job(served, tmp_path):
+    # tuning for minutes: a plain compile of a model the service built before can finish before
+    # the signal comes
     process = subprocess.Popen([sys.executable, "-m", "kiln.cli", "submit",
-                                str(ZOO / "mobilenetv2.onnx"), "--wait", "-o",
-                                str(tmp_path / "m.kiln")], env=_local(served), cwd=REPO,
+                                str(ZOO / "mobilenetv2.onnx"), "--tune", "full", "--tune-budget",
+                                "600", "--wait", "-o", str(tmp_path / "m.kiln")],
+                               env=_local(served), cwd=REPO,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     line = process.stderr.readline()  # "job <id> queued: …"
     job = line.split()[1]
