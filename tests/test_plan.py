@@ -110,6 +110,28 @@ def test_without_relaxation_dnnfusion_never_fuses_red_pairs(graph, seed):
             assert not (producer.mapping == M.ONE_TO_MANY and consumer.mapping == M.MANY_TO_MANY)
 
 
+def test_an_epilogue_is_not_moved_into_a_block_that_a_third_block_makes_it_wait_for():
+    """Found by the property test above: Softmax op2 (a contraction's block, with op7) feeds
+    Relu op6, whose block also adds it to op4's result. op4 reads op3, which sits in the block of
+    op9, a reader of op7: op4 depends on op2's block through a block (op3, op9, op10), not through
+    any path of ops. Moving op6 and op13 into op2's block as its epilogue made the blocks wait on
+    each other in a cycle."""
+    spec = [("Relu", ["x"]), ("Relu", ["x"]), ("Softmax", ["x"]), ("Reshape", ["x"]),
+            ("Reshape", ["t3"]), ("Relu", ["x"]), ("Relu", ["t2"]), ("Reshape", ["t2"]),
+            ("Softmax", ["t6"]), ("Expand", ["t7"]), ("Add", ["t3", "t9"]), ("Reshape", ["t6"]),
+            ("Relu", ["x"]), ("Add", ["t4", "t6"])]
+    mapping = {op_type: m for m, op_type in TYPE_FOR.items()} | {"Add": M.ONE_TO_ONE}
+    tensors = {f"t{i}": Tensor(f"t{i}", (4, 4), "float32") for i in range(len(spec))}
+    tensors["x"] = Tensor("x", (4, 4), "float32")
+    ops = [Op(f"op{i}", op_type, tuple(inputs), (f"t{i}",), mapping=mapping[op_type],
+              compute_intensive=i == 2) for i, (op_type, inputs) in enumerate(spec)]
+    consumed = {t for op in ops for t in op.inputs}
+    graph = Graph(tensors, ops, ["x"], [op.outputs[0] for op in ops if op.outputs[0] not in consumed])
+    plan = DNNFusion(Constraints(relax_red=False))(graph, RandomLatencies(0))
+    assert block_dag_is_acyclic(plan)
+    assert plan.block_of["op13"] != plan.block_of["op2"]
+
+
 @settings(max_examples=100, deadline=None)
 @given(graph=random_dags(), seed=st.integers(0, 1000))
 def test_red_pairs_fuse_only_through_a_named_relaxation(graph, seed):

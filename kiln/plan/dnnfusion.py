@@ -405,7 +405,7 @@ class _Planning:
         if any(t in graph.outputs or any(c.id not in target | moving for c in graph.consumers(t))
                for t in read):
             return False
-        if self.violated_constraint(target | moving):
+        if self.violated_constraint(target | moving) or self.blocks_cyclic_with(moving, into):
             return False
         label = "+".join(sorted(target, key=graph.order.__getitem__))
         self.decisions += [Decision(label, op.id, True, "green: epilogue rather than prologue")
@@ -416,6 +416,31 @@ class _Planning:
         return True
 
     # Legality ----------------------------------------------------------------------------
+    def blocks_cyclic_with(self, moving: set[str], into: int) -> bool:
+        """Would the blocks depend on each other in a cycle with `moving` in block `into`? A block
+        runs as one kernel, so it waits for every block any of its ops reads from: a path between
+        two blocks may run through ops of a third that the ops on it never touch (`reaches`
+        follows ops, not blocks)."""
+        group_of = self.group_of | dict.fromkeys(moving, into)
+        after: dict[int, set[int]] = {group: set() for group in group_of.values()}
+        for op in self.graph.ops:
+            for nxt in self.graph.successors(op):
+                if group_of[op.id] != group_of[nxt.id]:
+                    after[group_of[op.id]].add(group_of[nxt.id])
+        waits = dict.fromkeys(after, 0)
+        for targets in after.values():
+            for group in targets:
+                waits[group] += 1
+        ready = [group for group, count in waits.items() if count == 0]
+        ran = 0
+        while ready:  # Kahn's order: every block runs unless some wait on each other
+            ran += 1
+            for nxt in after[ready.pop()]:
+                waits[nxt] -= 1
+                if waits[nxt] == 0:
+                    ready.append(nxt)
+        return ran < len(after)
+
     def path_outside(self, sources: set[str], targets: set[str]) -> bool:
         """Is there a path from `sources` to `targets` through ops in neither?
 
