@@ -128,8 +128,8 @@ def test_activation_a_read_in_place_with_a_partial_last_panel(tile, m):
 def test_a_through_a_prologue_in_rows_shared_and_broadcast(tile):
     """A through arithmetic (Add of a bias, GELU) goes to row-major rows in scratch, once, the
     second product of the same A reading the first one's rows; an A broadcast over the batch of
-    a run-time B is indexed by its own batch; a transposed A (a load contiguous along the rows)
-    is still packed in panels, whose stores are contiguous then."""
+    a run-time B is indexed by its own batch; a transposed A (loads contiguous along the rows) is
+    still packed in panels, whose loads and stores are contiguous then."""
     rng = np.random.default_rng(5)
     w1 = rng.standard_normal((11, 21)).astype(np.float32)
     w2 = rng.standard_normal((11, 40)).astype(np.float32)
@@ -149,13 +149,16 @@ def test_a_through_a_prologue_in_rows_shared_and_broadcast(tile):
     kernels = run_with(model(nodes, spec, ["y"]), spec, small_blocks(tile))
     stage = next(s for k in kernels for s in k.schedule["stages"] if s.get("form") == "packed")
     assert stage["a_operand"] == "rows in scratch, read in place"
-    # transposed A: contiguous along its rows, packed in panels with contiguous stores
+    # transposed A, plain or through a prologue with a bias: contiguous along its rows, packed
+    # in panels with contiguous loads and stores
     spec = {"a": ((11, 13), "float32")}
-    nodes = [helper.make_node("Transpose", ["a"], ["at"], perm=[1, 0]),
-             helper.make_node("MatMul", ["at", "w1"], ["y"])]
-    kernels = run_with(model(nodes, spec, ["y"], {"w1": w1}), spec, small_blocks(tile))
-    stage = next(s for k in kernels for s in k.schedule["stages"] if s.get("form") == "packed")
-    assert stage["a_operand"] == "packed in scratch"
+    for prologue in ([], [helper.make_node("Add", ["at", "bias"], ["at2"])]):
+        nodes = [helper.make_node("Transpose", ["a"], ["at"], perm=[1, 0]), *prologue,
+                 helper.make_node("MatMul", ["at2" if prologue else "at", "w1"], ["y"])]
+        kernels = run_with(model(nodes, spec, ["y"], {"w1": w1, "bias": bias}), spec,
+                           small_blocks(tile))
+        stage = next(s for k in kernels for s in k.schedule["stages"] if s.get("form") == "packed")
+        assert stage["a_operand"] == "packed in scratch"
 
 
 @pytest.mark.parametrize("k,tile", [(1024, "6x64"), (1032, "12x32"), (768, "12x32")])

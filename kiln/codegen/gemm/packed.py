@@ -45,7 +45,7 @@ from kiln.codegen.gemm.packing import (
     rows_across_batch,
     scratch_panels,
     scratch_rows,
-    strided_panel_stores,
+    rows_contiguous_along_the_sum,
 )
 from kiln.codegen.gemm.group import group_gemm
 from kiln.codegen.gemm.register_epilogue import register_epilogue
@@ -189,7 +189,7 @@ def _product(ctx: StageCtx, spec: Contraction, uk: MicroKernel,
     elif packed_a is None:
         padded = least_padding_tile(uk, spec.m)
         packed_a = constant_panels(ctx, spec, a, padded.mr) or a_rows_in_place(ctx, spec, a)
-        if packed_a is None and strided_panel_stores(ctx, spec, a):
+        if packed_a is None and rows_contiguous_along_the_sum(ctx, spec, a):
             packed_a = scratch_rows(ctx, spec, a)
         elif packed_a is None and _packs_across_batch(spec):
             uk = least_padding_tile(uk, bt * spec.m)

@@ -26,6 +26,7 @@ from kiln.codegen.expr import (
     select,
     substitute,
     var,
+    walk,
 )
 from kiln.codegen.indexing import Index
 from kiln.codegen.gemm.blocking import round_up
@@ -150,12 +151,21 @@ def scratch_panels(ctx: StageCtx, spec: Contraction, side: OperandSide, unit: in
     return packed[key]
 
 
-def strided_panel_stores(ctx: StageCtx, spec: Contraction, side: OperandSide) -> bool:
-    """Would packing the operand in panels store along its sum `unit` elements apart? So it does
-    when the operand is not contiguous along the panel axis (a fused prologue's arithmetic, a row-
-    major load read through one): the packer's vectorised loop then runs along the sum."""
-    probe, _, px, _ = side.probes(ctx, spec.k)
-    return side.extent > 1 and stride_of(probe, px) != 1
+def contiguous_along(value: Expr, v: Expr) -> bool:
+    """Does every load `value` makes step by one element or stay put as `v` grows by one, and
+    one of them step (a transposed activation through a prologue: contiguous along the panel
+    axis, its bias constant)?"""
+    strides = [stride_of(e, v) for e in walk([value]) if e.op == "load"]
+    return 1 in strides and all(s in (0, 1) for s in strides)
+
+
+def rows_contiguous_along_the_sum(ctx: StageCtx, spec: Contraction, side: OperandSide) -> bool:
+    """Is the operand contiguous along the sum and not along the panel axis (row-major rows read
+    through a fused prologue's arithmetic, or gathered row by row: a window partition)? Packing it
+    in panels would store along the sum `unit` elements apart; copying it row by row stores
+    contiguously. (A gather along the sum, an im2col, keeps its panels.)"""
+    probe, _, px, pk = side.probes(ctx, spec.k)
+    return side.extent > 1 and contiguous_along(probe, pk) and not contiguous_along(probe, px)
 
 
 def scratch_rows(ctx: StageCtx, spec: Contraction, side: OperandSide) -> Packed:
@@ -203,7 +213,7 @@ def _pack_panels(ctx: StageCtx, spec: Contraction, side: OperandSide, unit: int)
         if edge:
             element = select(index_compare("lt", x, side.extent), element, const(0, spec.dtype))
         store = ir.Store(name, add(mul(add(mul(q, spec.k), k), unit), r), element)
-        if stride_of(probe, px) == 1:  # contiguous along the panel axis: read along it
+        if contiguous_along(probe, px):  # contiguous along the panel axis: read along it
             return ir.Loop(k, iconst(0), iconst(spec.k),
                            [ir.Loop(r, iconst(0), iconst(unit), [store], simd=True)])
         return ir.Loop(r, iconst(0), iconst(unit),
