@@ -165,7 +165,8 @@ def column_row_stage(names: Callable[[str], str], chunks: ColumnChunks, view: Ro
 
 # --- row stages whose rows lie side by side in memory -----------------------------------------
 
-ROWS_TILE = 64  # rows of such a stage per tile: four AVX-512 vectors along the rows
+ROWS_TILE = 64  # rows of such a stage per tile at most: four AVX-512 vectors along the rows
+ROWS_TILES = 4  # tiles at least while each keeps 16 rows (work for every thread of a few)
 
 
 def rows_across_lanes(names: Callable[[str], str], rows: int, o: Expr,
@@ -173,7 +174,9 @@ def rows_across_lanes(names: Callable[[str], str], rows: int, o: Expr,
     """A row stage whose every load that moves with the row `o` steps by one element (the rows
     lie side by side, their elements a stride apart: a LayerNorm over the channels of an NCHW
     tensor read as NHWC through a Transpose) rewritten as a column reduction over its rows: tiles
-    of `ROWS_TILE` rows, each statement's loop running along the tile with vector loads (the
+    of up to `ROWS_TILE` rows (narrower, down to 16, for `ROWS_TILES` tiles: ConvNeXt-T's 7 × 7
+    pixels in one tile ran 1.5× the time of the transpose and the row-by-row LayerNorm apart
+    with 2 threads), each statement's loop running along the tile with vector loads (the
     interchange and scalar expansion above). Row by row, every phase would gather each row's
     elements one by one. None when a load moves otherwise, or the body holds a statement the
     rewrite does not know."""
@@ -181,11 +184,11 @@ def rows_across_lanes(names: Callable[[str], str], rows: int, o: Expr,
     moving = [m for m in moving if m != 0]
     if rows < 2 or not moving or any(m != 1 for m in moving):
         return None
-    tiles = -(-rows // ROWS_TILE)
+    width = min(ROWS_TILE, -(-rows // (ROWS_TILES * 16)) * 16)  # whole vectors of 16
+    tiles = -(-rows // width)
     k = var(names("k"), tiles)
-    lo = mul(k, ROWS_TILE)
-    tile = Tile(k, k, 1, ROWS_TILE, var(names("c"), rows), lo,
-                imin(add(lo, ROWS_TILE), iconst(rows)))
+    lo = mul(k, width)
+    tile = Tile(k, k, 1, width, var(names("c"), rows), lo, imin(add(lo, width), iconst(rows)))
     stmts = _Expansion(names, tile, {o: tile.c}, hoist=True).statements(body)
     if stmts is None:
         return None

@@ -2,6 +2,8 @@
 "row blocks" with several reductions over the same rows (hand-made plans)."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from onnx import helper
@@ -156,7 +158,7 @@ def test_rows_side_by_side_run_across_the_vector_lanes(pixels, op):
     """A normalisation over the channels of an NCHW tensor read as NHWC through a Transpose
     (ConvNeXt's LayerNorm): the rows lie side by side, and the row stage runs tiles of rows along
     the vector lanes, per-row values computed once per row; 135 rows leave a ragged tile, 64 rows
-    one whole one, a single row the row-by-row loop. Against onnxruntime."""
+    four whole ones of 16, a single row the row-by-row loop. Against onnxruntime."""
     h, w = pixels
     spec = {"x": ((1, 24, h, w), "float32")}
     rng = np.random.default_rng(7)
@@ -173,7 +175,7 @@ def test_rows_side_by_side_run_across_the_vector_lanes(pixels, op):
     values = run_kernels(plan, kernels, dict(zip(graph.inputs, inputs.values())))
     assert_matches([values[t] for t in graph.outputs], reference(m, inputs))
     source = "\n".join(k.source for k in kernels)
-    across = "col0[64]" in source  # the tile's accumulators, one per row
+    across = re.search(r"col0\[(16|32|48|64)\]", source) is not None  # a tile's accumulators
     assert across == (h * w > 1), source
 
 
