@@ -291,9 +291,9 @@ class _Expansion:
     def row_values(self, r: Expr, inner: list[ir.Stmt]) -> tuple[list[ir.Stmt], list[ir.Stmt]]:
         """The largest sub-expressions of a loop's statements that depend on the column and not
         on the loop's variable `r` nor on what the loop writes (its accumulators): a row's mean,
-        1/sqrt(variance + eps), each computed once
-        per column into an array before the loop; the statements reading them instead. Left in
-        the loop, they would be computed again for every element of the row."""
+        1/sqrt(variance + eps). Each is computed once per column into an array before the loop,
+        which the statements read instead; left in the loop, it would be computed again for
+        every element of the row (a square root and a division per element)."""
         found: dict[Expr, None] = {}
         written = {s.name for s in inner if isinstance(s, ir.ArrayStore)}  # accumulators
 

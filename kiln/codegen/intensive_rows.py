@@ -69,10 +69,10 @@ from kiln.codegen.expr import (
     walk,
 )
 from kiln.codegen.gemm.packed import micro_kernel
-from kiln.codegen.microkernel import rows_evict_each_other
 from kiln.codegen.gemm.packing import OperandSide, Packed, constant_panels
 from kiln.codegen.gemm.spec import Contraction, results
 from kiln.codegen.indexing import Index
+from kiln.codegen.microkernel import rows_evict_each_other
 from kiln.codegen.ops.contraction import MATRIX_SPECS, matmul_dims
 from kiln.ecg import Graph, Op
 
@@ -261,10 +261,7 @@ class RowPairLowering:
         r0 = mul(task, tm)
         row_panels = imin(iconst(tm // uk.mr), floordiv(sub(iconst(self.rows + uk.mr - 1), r0), uk.mr))
         packed, mid, tile = ctx.name("rows"), ctx.name("mid"), ctx.name("ct")
-        # row-major tiles, read in place by the row-reading micro-kernel, unless their rows fall
-        # into one L1 set: panels of mr rows store each element mr floats from the last (on a
-        # Zen 4, ConvNeXt-T's 3136 × 96 → 384 → 96 pairs ran 1.15× the time of the LayerNorm
-        # and the two products apart with panels)
+        # row-major tiles unless their rows fall into one L1 set (see the module's docstring)
         rows = not any(rows_evict_each_other(uk, n * 4) for n in (up.k, up.n))
         body: list[ir.Stmt] = [
             ir.DeclArray(packed, FLOAT, tm * up.k), ir.DeclArray(mid, FLOAT, tm * up.n),

@@ -43,9 +43,9 @@ from kiln.codegen.gemm.packing import (
     b_rows,
     constant_panels,
     rows_across_batch,
+    rows_contiguous_along_the_sum,
     scratch_panels,
     scratch_rows,
-    rows_contiguous_along_the_sum,
 )
 from kiln.codegen.gemm.group import group_gemm
 from kiln.codegen.gemm.register_epilogue import register_epilogue
