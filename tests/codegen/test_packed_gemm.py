@@ -135,7 +135,8 @@ def test_a_through_a_prologue_in_rows_shared_and_broadcast(tile):
     w2 = rng.standard_normal((11, 40)).astype(np.float32)
     bias = rng.standard_normal((11,)).astype(np.float32)
     spec = {"a": ((2, 13, 11), "float32")}
-    nodes = [helper.make_node("Add", ["a", "bias"], ["ab"]), helper.make_node("Gelu", ["ab"], ["g"]),
+    nodes = [helper.make_node("Add", ["a", "bias"], ["ab"]),
+             helper.make_node("Gelu", ["ab"], ["g"]),
              helper.make_node("MatMul", ["g", "w1"], ["y1"]),
              helper.make_node("MatMul", ["g", "w2"], ["y2"])]
     kernels = run_with(model(nodes, spec, ["y1", "y2"], {"w1": w1, "w2": w2, "bias": bias},
@@ -145,7 +146,8 @@ def test_a_through_a_prologue_in_rows_shared_and_broadcast(tile):
     assert operands == ["rows in scratch, read in place", "rows in scratch by an earlier product"]
     # a broadcast A (one matrix) times a batch of run-time B
     spec = {"a": ((13, 11), "float32"), "b": ((3, 11, 40), "float32")}
-    nodes = [helper.make_node("Relu", ["a"], ["ra"]), helper.make_node("MatMul", ["ra", "b"], ["y"])]
+    nodes = [helper.make_node("Relu", ["a"], ["ra"]),
+             helper.make_node("MatMul", ["ra", "b"], ["y"])]
     kernels = run_with(model(nodes, spec, ["y"]), spec, small_blocks(tile))
     stage = next(s for k in kernels for s in k.schedule["stages"] if s.get("form") == "packed")
     assert stage["a_operand"] == "rows in scratch, read in place"

@@ -152,8 +152,9 @@ def test_cumulative_and_topk():
     check_model(model(nodes, spec, ["c", "v", "i", "sv", "si"], inits), {"x": x})
 
 
-@pytest.mark.parametrize("pixels,op", [((9, 15), "LayerNormalization"), ((8, 8), "LayerNormalization"),
-                                       ((7, 11), "Softmax"), ((1, 1), "LayerNormalization")])
+@pytest.mark.parametrize("pixels,op", [((9, 15), "LayerNormalization"),
+                                       ((8, 8), "LayerNormalization"), ((7, 11), "Softmax"),
+                                       ((1, 1), "LayerNormalization")])
 def test_rows_side_by_side_run_across_the_vector_lanes(pixels, op):
     """A normalisation over the channels of an NCHW tensor read as NHWC through a Transpose
     (ConvNeXt's LayerNorm): the rows lie side by side, and the row stage runs tiles of rows along
@@ -193,5 +194,6 @@ def test_rows_side_by_side_keep_their_accumulators_in_the_loop():
     inputs = random_inputs(spec)
     graph = frontend.build(m, {}, "t")
     plan = build_plan(graph, [set(op.id for op in graph.ops)], "hand")
-    values = run_kernels(plan, generate(plan, host_target()), dict(zip(graph.inputs, inputs.values())))
+    values = run_kernels(plan, generate(plan, host_target()),
+                         dict(zip(graph.inputs, inputs.values())))
     assert_matches([values[t] for t in graph.outputs], reference(m, inputs))
