@@ -202,7 +202,7 @@ class RowStage:
             body.append(ir.Loop(r, iconst(0), iconst(self.view.reduced), row_stores, simd=True))
         chunks = column_chunks(low.schedule)
         loop = column_row_stage(low.names, chunks, self.view, self.o, body) if chunks else None
-        if loop is None and not chunks:
+        if loop is None and not chunks and low.schedule.gemm_work_group == 0:  # (a CPU's)
             loop = rows_across_lanes(low.names, self.view.outer, self.o, body)
         if loop is None:
             loop = ir.Loop(self.o, iconst(0), iconst(self.view.outer), body, parallel=1,
