@@ -273,6 +273,33 @@ def test_shuffle_into_many_to_many_pays_for_strided_access_beyond_l2():
     assert model.latency(g, ids).seconds < split_latency(model, g, ids[:1], ids[1:])
 
 
+def depthwise_transpose_graph(group: int, perm: list[int]):
+    """Depthwise (or grouped) 7×7 conv on [1, 192, 28, 28] (0.6 MB, inside the L2), then a
+    Transpose by `perm`; returns (graph, [conv, transpose])."""
+    b = Builder()
+    shape = (1, 192, 28, 28)
+    x = b.input(shape)
+    w = b.const(np.zeros((192, 192 // group, 7, 7), np.float32))
+    c = b.op("Conv", [x, w], shape, M2M, ci=True, flops=2 * 49 * numel(shape) * 192 // group,
+             attrs={"kernel_shape": [7, 7], "pads": [3] * 4, "strides": [1, 1], "group": group})
+    out = tuple(shape[i] for i in perm)
+    t = b.op("Transpose", [c], out, SHU, flops=0, attrs={"perm": perm})
+    return b.graph([t]), [b.op_of(c), b.op_of(t)]
+
+
+def test_transposing_a_depthwise_convs_channels_innermost_pays_inside_the_l2():
+    """A depthwise conv computes one channel plane per task: transposing its result to channels
+    last stores each element C floats from the last (ConvNeXt-T's 28×28×192 block ran 5× as long
+    fused on a Zen 4), whatever the result's size; other transpositions and other convs don't."""
+    model = RooflineModel(MACHINE)
+    g, ids = depthwise_transpose_graph(192, [0, 2, 3, 1])
+    assert model.breakdown(g, ids).penalty_bytes == 192 * 28 * 28 * 64  # a cache line each
+    assert model.latency(g, ids).seconds > split_latency(model, g, ids[:1], ids[1:])
+    for group, perm in ((192, [0, 1, 3, 2]), (1, [0, 2, 3, 1]), (2, [0, 2, 3, 1])):
+        g, ids = depthwise_transpose_graph(group, perm)
+        assert model.breakdown(g, ids).penalty_bytes == 0, (group, perm)
+
+
 def test_launch_overhead_and_compute_bound_anchor():
     model = RooflineModel(MACHINE)
     b = Builder()

@@ -40,7 +40,19 @@ from dataclasses import dataclass
 
 from kiln.codegen import ir
 from kiln.codegen.contexts import RowView
-from kiln.codegen.expr import Expr, add, array_load, iconst, imin, mul, sub, substitute, var, walk
+from kiln.codegen.expr import (
+    Expr,
+    add,
+    array_load,
+    iconst,
+    imin,
+    mul,
+    rebuild,
+    sub,
+    substitute,
+    var,
+    walk,
+)
 from kiln.codegen.schedule import Schedule
 
 COLUMN_TILE = 256  # columns per tile: a float32 accumulator array of 1 KiB
@@ -151,12 +163,63 @@ def column_row_stage(names: Callable[[str], str], chunks: ColumnChunks, view: Ro
     return chunk_nest(chunks, tile, [ir.Loop(p, iconst(0), iconst(batch), stmts)])
 
 
+# --- row stages whose rows lie side by side in memory -----------------------------------------
+
+ROWS_TILE = 64  # rows of such a stage per tile at most: four AVX-512 vectors along the rows
+ROWS_TILES = 4  # tiles at least while each keeps 16 rows (work for every thread of a few)
+
+
+def rows_across_lanes(names: Callable[[str], str], rows: int, o: Expr,
+                      body: list[ir.Stmt]) -> ir.Loop | None:
+    """A row stage whose every load that moves with the row `o` steps by one element (the rows
+    lie side by side, their elements a stride apart: a LayerNorm over the channels of an NCHW
+    tensor read as NHWC through a Transpose) rewritten as a column reduction over its rows: tiles
+    of up to `ROWS_TILE` rows (narrower, down to 16, for `ROWS_TILES` tiles: ConvNeXt-T's 7 × 7
+    pixels in one tile ran 1.5× the time of the transpose and the row-by-row LayerNorm apart
+    with 2 threads), each statement's loop running along the tile with vector loads (the
+    interchange and scalar expansion above). Row by row, every phase would gather each row's
+    elements one by one. None when a load moves otherwise, or the body holds a statement the
+    rewrite does not know."""
+    moving = [_stride(e, o) for e in walk(ir.all_exprs(body)) if e.op == "load"]
+    moving = [m for m in moving if m != 0]
+    if rows < 2 or not moving or any(m != 1 for m in moving):
+        return None
+    width = min(ROWS_TILE, -(-rows // (ROWS_TILES * 16)) * 16)  # whole vectors of 16
+    tiles = -(-rows // width)
+    k = var(names("k"), tiles)
+    lo = mul(k, width)
+    tile = Tile(k, k, 1, width, var(names("c"), rows), lo, imin(add(lo, width), iconst(rows)))
+    stmts = _Expansion(names, tile, {o: tile.c}, hoist=True).statements(body)
+    if stmts is None:
+        return None
+    return ir.Loop(k, iconst(0), iconst(tiles), stmts, parallel=1, grain="chunks")
+
+
+def _replaced(e: Expr, nodes: dict[Expr, Expr], memo: dict[Expr, Expr]) -> Expr:
+    """`e` with every occurrence of a key of `nodes` (any sub-expression) replaced by its value."""
+    if e in nodes:
+        return nodes[e]
+    if e not in memo:
+        args = tuple(_replaced(a, nodes, memo) for a in e.args)
+        memo[e] = e if all(a is b for a, b in zip(args, e.args)) else rebuild(e, args)
+    return memo[e]
+
+
+def _stride(load: Expr, v: Expr) -> int | None:
+    """How far a load's offset moves when `v` grows by one (None: not by a constant)."""
+    offset = load.args[0]
+    delta = sub(substitute(offset, {v: add(v, 1)}), offset)
+    return delta.value if delta.is_const else None
+
+
 class _Expansion:
     """Loop distribution of a row body over its statements, the column loop interchanged into
     each, with scalar expansion of what one statement leaves for the next (see the module)."""
 
-    def __init__(self, names: Callable[[str], str], tile: Tile, mapping: dict[Expr, Expr]):
+    def __init__(self, names: Callable[[str], str], tile: Tile, mapping: dict[Expr, Expr],
+                 hoist: bool = False):
         self.names, self.tile, self.width = names, tile, tile.width
+        self.hoist = hoist  # per-row values out of the loops over the reduced extent, as arrays
         self.offset = sub(tile.c, tile.lo)
         self.mapping = dict(mapping)
         self.arrays: dict[Expr, str] = {}  # accumulator -> its array over the tile
@@ -218,9 +281,47 @@ class _Expansion:
             inner = [self.element(s) for s in stmt.body]
             if any(s is None for s in inner):
                 return None
-            return [ir.Loop(stmt.var, self.expr(stmt.start), self.expr(stmt.stop),
-                            [self.across(inner)])]  # type: ignore[list-item]
+            before: list[ir.Stmt] = []
+            if self.hoist:
+                before, inner = self.row_values(stmt.var, inner)  # type: ignore[arg-type]
+            return [*before, ir.Loop(stmt.var, self.expr(stmt.start), self.expr(stmt.stop),
+                                     [self.across(inner)])]  # type: ignore[list-item]
         return None
+
+    def row_values(self, r: Expr, inner: list[ir.Stmt]) -> tuple[list[ir.Stmt], list[ir.Stmt]]:
+        """The largest sub-expressions of a loop's statements that depend on the column and not
+        on the loop's variable `r` nor on what the loop writes (its accumulators): a row's mean,
+        1/sqrt(variance + eps). Each is computed once per column into an array before the loop,
+        which the statements read instead; left in the loop, it would be computed again for
+        every element of the row (a square root and a division per element)."""
+        found: dict[Expr, None] = {}
+        written = {s.name for s in inner if isinstance(s, ir.ArrayStore)}  # accumulators
+
+        def invariant(e: Expr) -> bool:
+            return (r not in e.free and self.tile.c in e.free
+                    and not any(n.op == "lload" and n.name in written for n in walk([e])))
+
+        def visit(e: Expr) -> None:
+            if invariant(e):
+                if e.op not in ("var", "lload", "load", "const") and any(a.args for a in e.args):
+                    found[e] = None
+                    return
+            for a in e.args:
+                visit(a)
+
+        for e in (e for s in inner for e in ir.stmt_exprs(s)):
+            visit(e)
+        before: list[ir.Stmt] = []
+        loads: dict[Expr, Expr] = {}
+        for e in found:
+            name = self.names("row")
+            before += [ir.DeclArray(name, e.dtype, self.width),
+                       self.across([ir.ArrayStore(name, self.offset, e)])]
+            loads[e] = array_load(name, e.dtype, self.offset)
+        if loads:
+            memo: dict[Expr, Expr] = {}
+            ir.map_exprs(inner, lambda e: _replaced(e, loads, memo))
+        return before, inner
 
     def element(self, stmt: ir.Stmt) -> ir.Stmt | None:
         """A statement of a loop over the reduced extent, now run for one column of the tile."""

@@ -50,7 +50,12 @@ from kiln.codegen.contexts import (
 from kiln.codegen.epilogue import Path, find_path, forward_index
 from kiln.codegen.expr import Expr, const, iconst, load, local, var, walk
 from kiln.codegen import intensive
-from kiln.codegen.columns import column_chunks, column_elementwise, column_row_stage
+from kiln.codegen.columns import (
+    column_chunks,
+    column_elementwise,
+    column_row_stage,
+    rows_across_lanes,
+)
 from kiln.codegen.indexing import Index
 from kiln.codegen.ops import fused_attention as attention
 from kiln.codegen.ops import lowering
@@ -197,6 +202,8 @@ class RowStage:
             body.append(ir.Loop(r, iconst(0), iconst(self.view.reduced), row_stores, simd=True))
         chunks = column_chunks(low.schedule)
         loop = column_row_stage(low.names, chunks, self.view, self.o, body) if chunks else None
+        if loop is None and not chunks and low.schedule.gemm_work_group == 0:  # (a CPU's)
+            loop = rows_across_lanes(low.names, self.view.outer, self.o, body)
         if loop is None:
             loop = ir.Loop(self.o, iconst(0), iconst(self.view.outer), body, parallel=1,
                            grain="chunks")

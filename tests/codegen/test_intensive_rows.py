@@ -11,7 +11,7 @@ from onnx import helper
 from kiln import frontend
 from kiln.codegen import generate
 from kiln.codegen.intensive import CONV_TO_ROWS, POINTWISE, find_pairs
-from kiln.codegen.microkernel import tile_for
+from kiln.codegen.microkernel import rows_evict_each_other, tile_for
 from kiln.target import host_target
 from tests.codegen.harness import (
     assert_matches,
@@ -147,6 +147,20 @@ def test_an_ffn_runs_as_one_stage_without_its_intermediate_and_off_keeps_results
     for kernels in (fused, off):
         values = run_kernels(plan, kernels, {graph.inputs[0]: x})
         assert_matches([values[t] for t in graph.outputs], want)
+
+
+def test_tiles_run_in_rows_unless_their_rows_share_an_l1_set():
+    """The tile's rows and intermediate are row-major, read in place by the row-reading
+    micro-kernel (ConvNeXt's 96 → 384 → 96 over 3136 rows); rows 4 KiB apart (K = 1024), which
+    put an AVX-512 tile's 12 rows into one L1 set, keep the panels. Both against onnxruntime, with
+    a ragged last tile."""
+    uk = tile_for(host_target().isa, "float32")
+    for hidden, inner, seq in ((96, 384, 61), (1024, 64, 29)):
+        x = np.random.default_rng(3).standard_normal((1, seq, hidden)).astype(np.float32)
+        _, _, kernels = check_ago_tiles(_ffn(1, seq, hidden, inner), x, 1 << 18)
+        [stage] = intensive_stages(kernels)
+        evict = rows_evict_each_other(uk, hidden * 4) or rows_evict_each_other(uk, inner * 4)
+        assert stage["tile_layout"] == ("panels" if evict else "rows"), (hidden, inner)
 
 
 def test_a_single_row_product_is_not_fused_and_stays_right():

@@ -105,7 +105,8 @@ def test_activation_operand_read_in_place_or_copied_to_rows(tile, n):
 def test_activation_a_read_in_place_with_a_partial_last_panel(tile, m):
     """A row-major run-time A is read where it is by a row-reading micro-kernel, its last partial
     panel (or a whole A shorter than a panel) by a kernel of that panel's rows, over several
-    blocks of the sum and a batch; an A with arithmetic before the product is still packed once."""
+    blocks of the sum and a batch; an A with arithmetic before the product is evaluated once, into
+    rows in scratch read in place the same way."""
     spec = {"a": ((3, m, 11), "float32"), "w": ((11, 21), "float32")}
     w = np.random.default_rng(4).standard_normal((11, 21)).astype(np.float32)
     plain = model([helper.make_node("MatMul", ["a", "w"], ["y"])], {"a": spec["a"]}, ["y"],
@@ -119,7 +120,47 @@ def test_activation_a_read_in_place_with_a_partial_last_panel(tile, m):
     kernels = run_with(model(nodes, {"a": spec["a"]}, ["y"], {"w": w}), {"a": spec["a"]},
                        small_blocks(tile))
     stage = next(s for k in kernels for s in k.schedule["stages"] if s.get("form") == "packed")
-    assert stage["a_operand"] == "packed in scratch"
+    assert stage["a_operand"] == "rows in scratch, read in place"
+    assert stage.get("row_edge_kernel") == (f"{edge_rows}x{tile[2]}" if edge_rows else None)
+
+
+@pytest.mark.parametrize("tile", TILES, ids=lambda t: f"{t[1]}x{t[2]}v{t[0]}")
+def test_a_through_a_prologue_in_rows_shared_and_broadcast(tile):
+    """A through arithmetic (Add of a bias, GELU) goes to row-major rows in scratch, once, the
+    second product of the same A reading the first one's rows; an A broadcast over the batch of
+    a run-time B is indexed by its own batch; a transposed A (loads contiguous along the rows) is
+    still packed in panels, whose loads and stores are contiguous then."""
+    rng = np.random.default_rng(5)
+    w1 = rng.standard_normal((11, 21)).astype(np.float32)
+    w2 = rng.standard_normal((11, 40)).astype(np.float32)
+    bias = rng.standard_normal((11,)).astype(np.float32)
+    spec = {"a": ((2, 13, 11), "float32")}
+    nodes = [helper.make_node("Add", ["a", "bias"], ["ab"]),
+             helper.make_node("Gelu", ["ab"], ["g"]),
+             helper.make_node("MatMul", ["g", "w1"], ["y1"]),
+             helper.make_node("MatMul", ["g", "w2"], ["y2"])]
+    kernels = run_with(model(nodes, spec, ["y1", "y2"], {"w1": w1, "w2": w2, "bias": bias},
+                             opset=20), spec, small_blocks(tile))
+    operands = [s.get("a_operand") for k in kernels for s in k.schedule["stages"]
+                if s.get("form") == "packed"]
+    assert operands == ["rows in scratch, read in place", "rows in scratch by an earlier product"]
+    # a broadcast A (one matrix) times a batch of run-time B
+    spec = {"a": ((13, 11), "float32"), "b": ((3, 11, 40), "float32")}
+    nodes = [helper.make_node("Relu", ["a"], ["ra"]),
+             helper.make_node("MatMul", ["ra", "b"], ["y"])]
+    kernels = run_with(model(nodes, spec, ["y"]), spec, small_blocks(tile))
+    stage = next(s for k in kernels for s in k.schedule["stages"] if s.get("form") == "packed")
+    assert stage["a_operand"] == "rows in scratch, read in place"
+    # transposed A, plain or through a prologue with a bias: contiguous along its rows, packed
+    # in panels with contiguous loads and stores
+    spec = {"a": ((11, 13), "float32")}
+    for prologue in ([], [helper.make_node("Add", ["at", "bias"], ["at2"])]):
+        nodes = [helper.make_node("Transpose", ["a"], ["at"], perm=[1, 0]), *prologue,
+                 helper.make_node("MatMul", ["at2" if prologue else "at", "w1"], ["y"])]
+        kernels = run_with(model(nodes, spec, ["y"], {"w1": w1, "bias": bias}), spec,
+                           small_blocks(tile))
+        stage = next(s for k in kernels for s in k.schedule["stages"] if s.get("form") == "packed")
+        assert stage["a_operand"] == "packed in scratch"
 
 
 @pytest.mark.parametrize("k,tile", [(1024, "6x64"), (1032, "12x32"), (768, "12x32")])

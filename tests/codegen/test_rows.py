@@ -2,6 +2,8 @@
 "row blocks" with several reductions over the same rows (hand-made plans)."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from onnx import helper
@@ -148,3 +150,50 @@ def test_cumulative_and_topk():
              helper.make_node("TopK", ["x", "k"], ["v", "i"], axis=1),
              helper.make_node("TopK", ["x", "k"], ["sv", "si"], axis=0, largest=0)]
     check_model(model(nodes, spec, ["c", "v", "i", "sv", "si"], inits), {"x": x})
+
+
+@pytest.mark.parametrize("pixels,op", [((9, 15), "LayerNormalization"),
+                                       ((8, 8), "LayerNormalization"), ((7, 11), "Softmax"),
+                                       ((1, 1), "LayerNormalization")])
+def test_rows_side_by_side_run_across_the_vector_lanes(pixels, op):
+    """A normalisation over the channels of an NCHW tensor read as NHWC through a Transpose
+    (ConvNeXt's LayerNorm): the rows lie side by side, and the row stage runs tiles of rows along
+    the vector lanes, per-row values computed once per row; 135 rows leave a ragged tile, 64 rows
+    four whole ones of 16, a single row the row-by-row loop. Against onnxruntime."""
+    h, w = pixels
+    spec = {"x": ((1, 24, h, w), "float32")}
+    rng = np.random.default_rng(7)
+    inits = {"g": rng.standard_normal(24).astype(np.float32),
+             "b": rng.standard_normal(24).astype(np.float32)}
+    norm = (helper.make_node(op, ["t", "g", "b"], ["y"], axis=-1, epsilon=1e-5)
+            if op == "LayerNormalization" else helper.make_node(op, ["t"], ["y"], axis=-1))
+    m = model([helper.make_node("Transpose", ["x"], ["t"], perm=[0, 2, 3, 1]), norm], spec, ["y"],
+              inits if op == "LayerNormalization" else {}, opset=17)
+    inputs = random_inputs(spec)
+    graph = frontend.build(m, {}, "t")
+    plan = build_plan(graph, [set(op.id for op in graph.ops)], "hand")
+    kernels = generate(plan, host_target())
+    values = run_kernels(plan, kernels, dict(zip(graph.inputs, inputs.values())))
+    assert_matches([values[t] for t in graph.outputs], reference(m, inputs))
+    source = "\n".join(k.source for k in kernels)
+    across = re.search(r"col0\[(16|32|48|64)\]", source) is not None  # a tile's accumulators
+    assert across == (h * w > 1), source
+
+
+def test_rows_side_by_side_keep_their_accumulators_in_the_loop():
+    """Across the lanes, what a loop over the row accumulates (Softmax's running max and sum of
+    a row constant along itself: column sums broadcast and transposed) is not a per-row value
+    computed before the loop."""
+    spec = {"x": ((5, 5), "float32")}
+    inits = {"a": np.array([0], np.int64), "s": np.array([5, 5], np.int64)}
+    nodes = [helper.make_node("ReduceSum", ["x", "a"], ["r"]),
+             helper.make_node("Expand", ["r", "s"], ["e"]),
+             helper.make_node("Transpose", ["e"], ["t"], perm=[1, 0]),
+             helper.make_node("Softmax", ["t"], ["y"], axis=1)]
+    m = model(nodes, spec, ["y"], inits, opset=18)
+    inputs = random_inputs(spec)
+    graph = frontend.build(m, {}, "t")
+    plan = build_plan(graph, [set(op.id for op in graph.ops)], "hand")
+    values = run_kernels(plan, generate(plan, host_target()),
+                         dict(zip(graph.inputs, inputs.values())))
+    assert_matches([values[t] for t in graph.outputs], reference(m, inputs))

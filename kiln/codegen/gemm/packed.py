@@ -43,7 +43,9 @@ from kiln.codegen.gemm.packing import (
     b_rows,
     constant_panels,
     rows_across_batch,
+    rows_contiguous_along_the_sum,
     scratch_panels,
+    scratch_rows,
 )
 from kiln.codegen.gemm.group import group_gemm
 from kiln.codegen.gemm.register_epilogue import register_epilogue
@@ -187,7 +189,9 @@ def _product(ctx: StageCtx, spec: Contraction, uk: MicroKernel,
     elif packed_a is None:
         padded = least_padding_tile(uk, spec.m)
         packed_a = constant_panels(ctx, spec, a, padded.mr) or a_rows_in_place(ctx, spec, a)
-        if packed_a is None and _packs_across_batch(spec):
+        if packed_a is None and rows_contiguous_along_the_sum(ctx, spec, a):
+            packed_a = scratch_rows(ctx, spec, a)
+        elif packed_a is None and _packs_across_batch(spec):
             uk = least_padding_tile(uk, bt * spec.m)
             packed_a = scratch_panels(ctx, spec, rows_across_batch(a, spec.m), uk.mr)
             packed_across_batch = True
