@@ -31,7 +31,8 @@ prologue is evaluated where the input is copied, or packed into scratch once.
 
 ConvTranspose gathers: each output element sums the input elements whose stride grid hits it;
 Col2Im likewise sums the column entries of the blocks covering an image element (inline).
-Pools loop over their window's valid range per output element.
+Pools run parallel over output rows: the pixels whose window lies inside the input along the last
+dim as a vector loop over the whole window (unrolled), the others over their valid taps.
 """
 from __future__ import annotations
 
@@ -636,49 +637,106 @@ def _pool_check(op: Op, graph: Graph) -> str | None:
 
 @stage("MaxPool", "AveragePool", "LpPool", check=_pool_check)
 def _pool(ctx: StageCtx) -> None:
+    """Parallel over output rows (image, channel, every spatial dim but the last); each row's
+    pixels in three runs: those whose window crosses the input's begin along the last dim,
+    those whose window lies inside it — a vector loop, the last dim's taps a loop of constant
+    bounds that the compiler unrolls — and those crossing its end. Per element, the other dims'
+    taps narrow to their valid range. (One parallel loop over all output elements, each
+    narrowing every dim's taps at run time, ran scalar: ResNet-50's 3 × 3 MaxPool of stride 2
+    from 64 × 112 × 112 took 0.82 ms at 1 thread on a Zen 4 class host, onnxruntime 0.06 ms.)"""
     x_shape, out = ctx.tensor(0).shape, ctx.out()
     if out.numel == 0:
         return
     w = window(ctx.op, x_shape[2:], out.shape[2:], tuple(ctx.attr("kernel_shape")))
     kind = ctx.op.op_type
-    dtype = out.dtype
     read_x = ctx.reader(ctx.op.inputs[0])
-    p = ctx.var("p", out.numel)
-    n, ch, *o = Index(out.shape, flat=p).dims
-    taps = [ctx.var("k", k) for k in w.kernel]
-    positions = [tap_position(w, d, o[d], taps[d]) for d in range(len(taps))]
-    x_value = read_x(Index(x_shape, dims=[n, ch, *positions]))
-    best = acc(ctx.name("acc"), dtype)
-    stmts: list[ir.Stmt] = []
-    where = None
-    if kind == "MaxPool":
-        lowest = -math.inf if dtype in FLOAT_TYPES else int(np.iinfo(np.dtype(dtype)).min)
-        stmts.append(ir.DeclAcc(best, const(lowest, dtype)))
-        better = local(ctx.name("c"), BOOL)
-        update = [ir.Let(better, make("gt", BOOL, (x_value, best))),
-                  ir.Assign(best, select(better, x_value, best))]
-        if ctx.output_used(1):
-            where = acc(ctx.name("arg"), INDEX)
-            stmts.append(ir.DeclAcc(where, iconst(0)))
-            update.append(ir.Assign(where, select(better, _pool_index(ctx, x_shape, n, ch, positions),
-                                                  where)))
-    else:
-        stmts.append(ir.DeclAcc(best, const(0, dtype)))
-        power = float(ctx.attr("p", 2))
-        term = x_value if kind == "AveragePool" else _lp_term(x_value, power)
-        update = [ir.Assign(best, binary("add", best, term))]
-    body: list[ir.Stmt] = update
-    for d in reversed(range(len(taps))):
-        lo, hi = valid_taps(w, d, o[d])
-        body = [ir.Loop(taps[d], lo, hi, body)]
-    stmts += body
-    results = {0: (Index(out.shape, flat=p), _pool_result(ctx, w, o, best, kind))}
-    if where is not None:
-        results[1] = (Index(ctx.out(1).shape, flat=p), where)
-    stmts += ctx.results(results)
+    width = out.shape[-1]
+    rows = out.numel // width
+    r = ctx.var("r", rows)
+    n, ch, *o_outer = Index(out.shape[:-1], flat=r).dims
+    last = len(w.kernel) - 1
+    # the output columns whose window along the last dim lies inside the input
+    (stride, dilation, pad) = w.strides[last], w.dilations[last], w.pad_begin[last]
+    reach = (w.kernel[last] - 1) * dilation
+    lo = min(width, -(-pad // stride))
+    hi = max(lo, min(width, (w.in_size[last] - 1 + pad - reach) // stride + 1))
+
+    def run(begin: int, end: int, inside: bool) -> list[ir.Stmt]:
+        if begin >= end:
+            return []
+        ox = ctx.var("x", end, begin)
+        stmts = _pool_element(ctx, w, kind, read_x, x_shape, (n, ch, [*o_outer, ox]),
+                              add(mul(r, width), ox), inside)
+        return [ir.Loop(ox, iconst(begin), iconst(end), stmts, simd=inside)]
+
+    body = run(0, lo, False) + run(lo, hi, True) + run(hi, width, False)
     ctx.stage(f"pool {kind} ({ctx.op.id})",
-              [ir.Loop(p, iconst(0), iconst(out.numel), stmts, parallel=1)],
+              [ir.Loop(r, iconst(0), iconst(rows), body, parallel=1)],
               out.numel * math.prod(w.kernel))
+
+
+# A window inside the input along the last dim with at most so many taps is unrolled in the
+# generated code: GCC vectorised the run's loop only with no loop nested in it.
+UNROLLED_POOL_TAPS = 32
+
+
+def _pool_element(ctx: StageCtx, w: Window, kind: str, read_x: Reader, x_shape: tuple[int, ...],
+                  at: tuple[Expr, Expr, list[Expr]], flat: Expr, inside: bool) -> list[ir.Stmt]:
+    """The statements computing the output element at `at` = (image, channel, spatial
+    positions), flat index `flat`. `inside`: its window lies inside the input along the last
+    dim; then every dim's taps run over the whole kernel, the other dims' reads outside the
+    input masked to the reduction's identity, unrolled up to `UNROLLED_POOL_TAPS` taps; else
+    each dim's taps narrow to their valid range."""
+    n, ch, o = at
+    dtype = ctx.out().dtype
+    lowest = -math.inf if dtype in FLOAT_TYPES else int(np.iinfo(np.dtype(dtype)).min)
+    best = acc(ctx.name("acc"), dtype)
+    stmts: list[ir.Stmt] = [ir.DeclAcc(best, const(lowest if kind == "MaxPool" else 0, dtype))]
+    where = None
+    if kind == "MaxPool" and ctx.output_used(1):
+        where = acc(ctx.name("arg"), INDEX)
+        stmts.append(ir.DeclAcc(where, iconst(0)))
+
+    def update(taps: list[Expr]) -> list[ir.Stmt]:
+        positions = [tap_position(w, d, o[d], taps[d]) for d in range(len(taps))]
+        if inside:
+            valid = const(True, BOOL)
+            for d in range(len(taps) - 1):
+                valid = logical_and(valid, logical_and(
+                    index_compare("ge", positions[d], 0),
+                    index_compare("lt", positions[d], w.in_size[d])))
+            clamped = [clamp(p, 0, size - 1) for p, size in zip(positions[:-1], w.in_size)]
+            x_value = select(valid, read_x(Index(x_shape, dims=[n, ch, *clamped,
+                                                                positions[-1]])),
+                             const(lowest if kind == "MaxPool" else 0, dtype))
+        else:
+            x_value = read_x(Index(x_shape, dims=[n, ch, *positions]))
+        if kind != "MaxPool":
+            power = float(ctx.attr("p", 2))
+            term = x_value if kind == "AveragePool" else _lp_term(x_value, power)
+            return [ir.Assign(best, binary("add", best, term))]
+        value, better = local(ctx.name("v"), dtype), local(ctx.name("c"), BOOL)
+        stmts = [ir.Let(value, x_value), ir.Let(better, make("gt", BOOL, (value, best))),
+                 ir.Assign(best, select(better, value, best))]
+        if where is not None:
+            stmts.append(ir.Assign(where, select(
+                better, _pool_index(ctx, x_shape, n, ch, positions), where)))
+        return stmts
+
+    if inside and math.prod(w.kernel) <= UNROLLED_POOL_TAPS:
+        for taps in np.ndindex(*w.kernel):
+            stmts += update([iconst(int(t)) for t in taps])
+    else:
+        variables = [ctx.var("k", k) for k in w.kernel]
+        body = update(variables)
+        for d in reversed(range(len(variables))):
+            lo, hi = (iconst(0), iconst(w.kernel[d])) if inside else valid_taps(w, d, o[d])
+            body = [ir.Loop(variables[d], lo, hi, body)]
+        stmts += body
+    results = {0: (Index(ctx.out().shape, flat=flat), _pool_result(ctx, w, o, best, kind))}
+    if where is not None:
+        results[1] = (Index(ctx.out(1).shape, flat=flat), where)
+    return stmts + ctx.results(results)
 
 
 def _lp_term(x: Expr, power: float) -> Expr:
