@@ -272,7 +272,7 @@ def winograd_cases(draw):
     of 0–2 on each side, batches."""
     cin, cout = draw(st.integers(1, 9)), draw(st.integers(16, 28))
     pads = [draw(st.integers(0, 2)) for _ in range(4)]
-    spatial = [draw(st.integers(14, 21)) for _ in range(2)]  # ≥ 36 tiles: a panel of 32
+    spatial = [draw(st.integers(17, 24)) for _ in range(2)]  # ≥ 64 tiles: two panels of 32
     attrs = {"kernel_shape": [3, 3], "pads": pads}
     return (draw(st.integers(1, 2)), cin, *spatial), (cout, cin, 3, 3), attrs
 
@@ -283,6 +283,23 @@ def test_winograd_conv(case, fusion):
     onnx_model, inputs = _conv_model(case, fusion, seed=7)
     check_model(onnx_model, inputs, partitioners=("none", "dnnfusion"))
     assert "Winograd" in _forms(onnx_model)
+
+
+AVX512 = Target("x86_64", "x86_64", ("avx512f", "avx2", "fma"), "gcc", ("-mavx512f", "-mfma"))
+
+
+def test_winograd_needs_two_panels_of_tiles_on_avx512():
+    """A 3 × 3 conv onto 14 × 14 (49 tiles of 2 × 2): Winograd on AVX2 (panels of 16 tiles), the
+    pixel-rows kernel on AVX-512 (panels of 32: two needed); onto 16 × 16 (64) Winograd on both."""
+    rng = np.random.default_rng(8)
+    for size, avx512_form in ((14, "direct, pixels as rows"), (16, "Winograd")):
+        spec = {"x": ((1, 64, size, size), "float32")}
+        inits = {"w": rng.standard_normal((64, 64, 3, 3)).astype(np.float32)}
+        onnx_model = model([helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[3, 3],
+                                             pads=[1, 1, 1, 1])], spec, ["y"], inits)
+        assert "Winograd" in _forms(onnx_model, target("x86_64"))
+        forms = _forms(onnx_model, AVX512)
+        assert avx512_form in forms and (size == 16 or "Winograd" not in forms)
 
 
 @st.composite
