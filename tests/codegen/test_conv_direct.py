@@ -4,13 +4,14 @@ strides, dilations, asymmetric pads, groups, batches, and fused prologues and ep
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from onnx import helper
 
 from kiln import frontend
 from kiln.codegen import generate
-from kiln.codegen.gemm.blocking import round_up
+from kiln.codegen.gemm.blocking import balanced, round_up
 from kiln.codegen.microkernel import VECTOR_REGISTERS, tile_for
 from kiln.codegen.ops.conv_direct import _phase_grid, computed_columns, direct_tile
 from kiln.codegen.ops.conv_window import Window
@@ -300,6 +301,27 @@ def test_winograd_needs_two_panels_of_tiles_on_avx512():
         assert "Winograd" in _forms(onnx_model, target("x86_64"))
         forms = _forms(onnx_model, AVX512)
         assert avx512_form in forms and (size == 16 or "Winograd" not in forms)
+
+
+@pytest.mark.parametrize("channels,size,stride,kernel", [
+    (128, 28, 2, 1),  # the direct kernel: 1 × 1 of stride 2 onto 14 × 14
+    (64, 14, 2, 3),  # the direct kernel: 3 × 3 of stride 2 onto 7 × 7
+    (64, 10, 1, 3),  # pixels as rows: 3 × 3 on 10 × 10
+])
+def test_direct_tasks_split_evenly_over_threads(channels, size, stride, kernel):
+    """The direct kernels' tasks split evenly over 2, 4 and 8 threads (as the packed GEMM's) when
+    that keeps the tasks' own copies of the input, as here."""
+    rng = np.random.default_rng(9)
+    spec = {"x": ((1, channels, size, size), "float32")}
+    inits = {"w": rng.standard_normal((256, channels, kernel, kernel)).astype(np.float32)}
+    onnx_model = model([helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[kernel] * 2,
+                                         strides=[stride] * 2, pads=[kernel // 2] * 4)],
+                       spec, ["y"], inits)
+    graph = frontend.build(onnx_model, {}, "test")
+    stages = [info for k in generate(plan_for(graph, "none"), AVX512)
+              for info in k.schedule.get("stages", []) if "tasks" in info]
+    assert stages and all(balanced(info["tasks"], 8) for info in stages), stages
+    check_model(onnx_model, random_inputs(spec), partitioners=("none",))
 
 
 @st.composite

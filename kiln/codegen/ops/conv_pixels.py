@@ -56,7 +56,9 @@ from kiln.codegen.ops.conv_direct import (
     _copy_input,
     _copy_window,
     _phase_grid,
+    TaskWindow,
     _task_window,
+    balanced_split,
     computed_columns,
     copied_by_tasks,
     direct_tile,
@@ -158,16 +160,23 @@ def pixel_rows_conv(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: Con
     grid, row_offsets = _phase_grid(w, cg, 1)
     (oh, ow), wq = w.out_size, grid.wq
     s, bt = ctx.schedule, batch * group
-    blk = blocking(pixels, mg, k_total, bt, uk, s.gemm_mc, s.gemm_nc, s.gemm_kc)
+    window_name = ctx.name("xw")
+
+    def split(balance: bool) -> tuple[Blocking, int, TaskWindow, bool]:
+        blk = blocking(pixels, mg, k_total, bt, uk, s.gemm_mc, s.gemm_nc, s.gemm_kc,
+                       balance=balance)
+        tasks = bt * -(-mg // blk.nc) * -(-pixels // blk.mc)
+        # the most grid rows a block's pixels span
+        spanned = max(min(i0 + blk.mc, pixels) - 1 - (i0 - i0 % ow) for i0 in
+                      range(0, pixels, blk.mc)) // ow + 1
+        window = _task_window(window_name, w, grid, Blocking(blk.mc, spanned * wq, blk.kc),
+                              math.prod(w.kernel), k_total, spanned)
+        return (blk, tasks, window,
+                copied_by_tasks(window, tasks * -(-k_total // blk.kc), grid, bt * cg, dtype))
+
+    blk, tasks, window, by_tasks = balanced_split(split)
     row_blocks, col_blocks, k_blocks = -(-pixels // blk.mc), -(-mg // blk.nc), -(-k_total // blk.kc)
-    tasks = bt * col_blocks * row_blocks
-    # the grid row each pixel's block starts on, and the most rows a block's pixels span
-    first_rows = np.arange(pixels) // blk.mc * blk.mc // ow
-    spanned = max(min(i0 + blk.mc, pixels) - 1 - (i0 - i0 % ow) for i0 in
-                  range(0, pixels, blk.mc)) // ow + 1
-    window = _task_window(ctx.name("xw"), w, grid, Blocking(blk.mc, spanned * wq, blk.kc),
-                          math.prod(w.kernel), k_total, spanned)
-    by_tasks = copied_by_tasks(window, tasks * k_blocks, grid, bt * cg, dtype)
+    first_rows = np.arange(pixels) // blk.mc * blk.mc // ow  # the grid row each block starts on
     grid_at = np.arange(pixels) // ow * wq + np.arange(pixels) % ow
     if by_tasks:  # each task's window starts on its block's first grid row
         copy, segment, row_offsets = window.name, 0, window.row_offsets
