@@ -303,24 +303,25 @@ def test_winograd_needs_two_panels_of_tiles_on_avx512():
         assert avx512_form in forms and (size == 16 or "Winograd" not in forms)
 
 
-@pytest.mark.parametrize("channels,size,stride,kernel", [
-    (128, 28, 2, 1),  # the direct kernel: 1 × 1 of stride 2 onto 14 × 14
-    (64, 14, 2, 3),  # the direct kernel: 3 × 3 of stride 2 onto 7 × 7
-    (64, 10, 1, 3),  # pixels as rows: 3 × 3 on 10 × 10
+@pytest.mark.parametrize("cin,cout,size,stride,kernel,even", [
+    (256, 256, 28, 2, 3, True),  # the direct kernel: 9 tasks alone
+    (256, 512, 7, 1, 3, True),  # pixels as rows: 11 alone
+    (256, 256, 12, 1, 3, True),  # pixels as rows: 12 alone
+    (128, 256, 10, 1, 3, False),  # 12 tasks of 2.5M products; balanced, each under 2M
 ])
-def test_direct_tasks_split_evenly_over_threads(channels, size, stride, kernel):
-    """The direct kernels' tasks split evenly over 2, 4 and 8 threads (as the packed GEMM's) when
-    that keeps the tasks' own copies of the input, as here."""
+def test_direct_tasks_split_evenly_over_threads(cin, cout, size, stride, kernel, even):
+    """The direct kernels' tasks split evenly over 2, 4 and 8 threads (as the packed GEMM's)
+    when each keeps enough products and that keeps the tasks' own copies of the input."""
     rng = np.random.default_rng(9)
-    spec = {"x": ((1, channels, size, size), "float32")}
-    inits = {"w": rng.standard_normal((256, channels, kernel, kernel)).astype(np.float32)}
+    spec = {"x": ((1, cin, size, size), "float32")}
+    inits = {"w": rng.standard_normal((cout, cin, kernel, kernel)).astype(np.float32)}
     onnx_model = model([helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[kernel] * 2,
                                          strides=[stride] * 2, pads=[kernel // 2] * 4)],
                        spec, ["y"], inits)
     graph = frontend.build(onnx_model, {}, "test")
     stages = [info for k in generate(plan_for(graph, "none"), AVX512)
               for info in k.schedule.get("stages", []) if "tasks" in info]
-    assert stages and all(balanced(info["tasks"], 8) for info in stages), stages
+    assert len(stages) == 1 and balanced(stages[0]["tasks"], 8) == even, stages
     check_model(onnx_model, random_inputs(spec), partitioners=("none",))
 
 

@@ -231,7 +231,7 @@ def direct_conv(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: ConvOpe
         return (blk, tasks, window,
                 copied_by_tasks(window, tasks * -(-k_total // blk.kc), grid, bt * cg, dtype))
 
-    blk, tasks, window, by_tasks = balanced_split(split)
+    blk, tasks, window, by_tasks = balanced_split(split, bt * mg * pixels * k_total)
     row_blocks, col_blocks = -(-mg // blk.mc), -(-pixels // blk.nc)
     k_blocks = -(-k_total // blk.kc)
     if by_tasks:
@@ -297,16 +297,25 @@ def direct_conv(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: ConvOpe
 TASK_COPY_SHARE = 2
 
 
-def balanced_split(split: Callable[[bool], tuple[Blocking, int, TaskWindow, bool]]
-                   ) -> tuple[Blocking, int, TaskWindow, bool]:
+# The fewest products a task of a balanced split may keep (`balanced_split`).
+MIN_BALANCED_TASK_PRODUCTS = 1 << 21
+
+
+def balanced_split(split: Callable[[bool], tuple[Blocking, int, TaskWindow, bool]],
+                   products: int) -> tuple[Blocking, int, TaskWindow, bool]:
     """`split(balance)` = (blocking, tasks, task window, whether the tasks copy their windows)
     with tasks that split evenly over 2, 4, … threads (`blocking`'s `balance`, as the packed
     GEMM's), unless only the unbalanced split lets the tasks copy their own windows of the input
-    (more, smaller tasks copy more of it again). On AVX-512 ResNet-50's 1 × 1 conv of stride 2
-    from 28 × 28 went from 11 tasks to 22 and its 3 × 3 ones onto 7 × 7 (pixels as rows) from 11
-    to 22: by their tiles' work, 94% of 2 threads' time busy before, 98-99% after (89% and
-    95-96% at 4 threads); at 1 thread the CPU time stayed within noise (0.97-1.04×)."""
+    (more, smaller tasks copy more of it again) or the balanced tasks would each keep fewer than
+    `MIN_BALANCED_TASK_PRODUCTS` of the conv's `products`. On AVX-512 ResNet-50's 1 × 1 conv of
+    stride 2 from 28 × 28 went from 11 tasks to 22 and its 3 × 3 ones onto 7 × 7 (pixels as
+    rows) from 11 to 22, 7M products each: by their tiles' work, 94% of 2 threads' time busy
+    before, 98-99% after (89% and 95-96% at 4 threads); at 1 thread the CPU time stayed within
+    noise (0.97-1.04×). LeViT-128's 3 × 3 stem convs of stride 2 would have gone from 9 and 10
+    tasks to 68 and 40 of 0.1-0.2M products: the first took 1.45× the time at 2 threads."""
     balanced = split(True)
+    if products < MIN_BALANCED_TASK_PRODUCTS * balanced[1]:
+        return split(False)
     if balanced[3]:
         return balanced
     unbalanced = split(False)

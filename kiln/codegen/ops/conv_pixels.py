@@ -174,7 +174,7 @@ def pixel_rows_conv(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: Con
         return (blk, tasks, window,
                 copied_by_tasks(window, tasks * -(-k_total // blk.kc), grid, bt * cg, dtype))
 
-    blk, tasks, window, by_tasks = balanced_split(split)
+    blk, tasks, window, by_tasks = balanced_split(split, bt * pixels * mg * k_total)
     row_blocks, col_blocks, k_blocks = -(-pixels // blk.mc), -(-mg // blk.nc), -(-k_total // blk.kc)
     first_rows = np.arange(pixels) // blk.mc * blk.mc // ow  # the grid row each block starts on
     grid_at = np.arange(pixels) // ow * wq + np.arange(pixels) % ow
