@@ -303,6 +303,21 @@ def test_winograd_needs_two_panels_of_tiles_on_avx512():
         assert avx512_form in forms and (size == 16 or "Winograd" not in forms)
 
 
+def test_strided_ungrouped_conv_by_pixel_rows_on_avx512():
+    """An ungrouped 3 × 3 conv of stride 2 onto 10 × 10: the pixel-rows kernel on AVX-512, the
+    direct kernel on AVX2; right on this host."""
+    rng = np.random.default_rng(10)
+    spec = {"x": ((1, 48, 20, 20), "float32")}
+    inits = {"w": rng.standard_normal((64, 48, 3, 3)).astype(np.float32),
+             "b": rng.standard_normal(64).astype(np.float32)}
+    onnx_model = model([helper.make_node("Conv", ["x", "w", "b"], ["c"], kernel_shape=[3, 3],
+                                         strides=[2, 2], pads=[1, 1, 1, 1]),
+                        helper.make_node("Relu", ["c"], ["y"])], spec, ["y"], inits)
+    assert "pixels as rows" in _forms(onnx_model, AVX512)
+    assert "pixels as rows" not in _forms(onnx_model, target("x86_64"))
+    check_model(onnx_model, random_inputs(spec))
+
+
 @pytest.mark.parametrize("cin,cout,size,stride,kernel,even", [
     (256, 256, 28, 2, 3, True),  # the direct kernel: 9 tasks alone
     (256, 512, 7, 1, 3, True),  # pixels as rows: 11 alone

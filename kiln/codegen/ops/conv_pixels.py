@@ -92,6 +92,12 @@ DIRECT_PHASES_OVERHEAD = 1 / 4
 PHASES_OVERHEAD_MIN_CHANNELS = 16
 PHASES_OVERHEAD_MIN_GEMMS = 4
 PHASES_OVERHEAD_MAX_PIXELS = 1024
+# On AVX-512 (a Zen 4 class host) ungrouped convs count too, onto at most so many pixels: in
+# ResNet-50 (whole model, per kernel, 1 thread) its 3 × 3 convs of stride 2 onto 14 × 14 and
+# 7 × 7 (256 and 512 channels) took 0.88× and 0.93× the time by the pixel-rows kernel as by the
+# direct kernel and the transposed GEMM (single convs at 2 threads, fastest of interleaved runs:
+# 0.98× and 0.95×); the one onto 28 × 28 (128) 0.99×, but 1.13× at 2 threads.
+UNGROUPED_PHASES_OVERHEAD_MAX_PIXELS = {64: 256}
 
 
 def _lines_per_step(w: Window) -> float:
@@ -128,16 +134,18 @@ def pixel_rows_wins(ctx: StageCtx, w: Window, channels_out: int, dtype: str,
     stride phases costs the direct kernel `DIRECT_PHASES_OVERHEAD` on a sum over at least
     `PHASES_OVERHEAD_MIN_CHANNELS` input channels (`channels_in`, per group) onto at most
     `PHASES_OVERHEAD_MAX_PIXELS` in at least `PHASES_OVERHEAD_MIN_GEMMS` (`gemms`: images ×
-    groups); else (a stem, a large image, an ungrouped conv) it costs the pixel-rows kernel its
-    lines in every phase. Both read a copy of the input; the sum's length cancels."""
+    groups), or in fewer onto at most `UNGROUPED_PHASES_OVERHEAD_MAX_PIXELS` of the target's
+    vector width; else (a stem, a large image, an ungrouped conv) it costs the pixel-rows kernel
+    its lines in every phase. Both read a copy of the input; the sum's length cancels."""
     base = micro_kernel(ctx, dtype)
     uk = direct_tile(base, w, channels_out)
     grid, _ = _phase_grid(w, 1, 1)
     direct = (round_up(channels_out, uk.mr)
               * computed_columns(w.out_size[0] * grid.wq, uk.nr, uk.lanes))
     lines = _lines_per_step(w)
-    if (channels_in >= PHASES_OVERHEAD_MIN_CHANNELS and gemms >= PHASES_OVERHEAD_MIN_GEMMS
-            and math.prod(w.out_size) <= PHASES_OVERHEAD_MAX_PIXELS):
+    max_pixels = (PHASES_OVERHEAD_MAX_PIXELS if gemms >= PHASES_OVERHEAD_MIN_GEMMS
+                  else UNGROUPED_PHASES_OVERHEAD_MAX_PIXELS.get(base.vector_bytes, 0))
+    if channels_in >= PHASES_OVERHEAD_MIN_CHANNELS and math.prod(w.out_size) <= max_pixels:
         direct *= 1 + DIRECT_PHASES_OVERHEAD * (len(grid.phases) > 1)
     else:
         lines *= len(grid.phases)
