@@ -318,6 +318,26 @@ def test_strided_ungrouped_conv_by_pixel_rows_on_avx512():
     check_model(onnx_model, random_inputs(spec))
 
 
+def test_strided_ungrouped_conv_into_tokens_stays_direct_on_avx512():
+    """The same conv with its output transposed into tokens (LeViT's stem): the pixel-rows
+    kernel would store raw sums for a pass of their own, so the direct kernel runs it."""
+    rng = np.random.default_rng(11)
+    spec = {"x": ((1, 48, 20, 20), "float32")}
+    inits = {"w": rng.standard_normal((64, 48, 3, 3)).astype(np.float32),
+             "b": rng.standard_normal(64).astype(np.float32),
+             "shape": np.array([1, 64, 100], np.int64)}
+    onnx_model = model([helper.make_node("Conv", ["x", "w", "b"], ["c"], kernel_shape=[3, 3],
+                                         strides=[2, 2], pads=[1, 1, 1, 1]),
+                        helper.make_node("Reshape", ["c", "shape"], ["r"]),
+                        helper.make_node("Transpose", ["r"], ["y"], perm=[0, 2, 1])],
+                       spec, ["y"], inits)
+    graph = frontend.build(onnx_model, {}, "test")
+    kernels = generate(plan_for(graph, "dnnfusion"), AVX512)
+    forms = [info.get("form") for k in kernels for info in k.schedule.get("stages", [])]
+    assert "direct GEMM" in forms and "direct, pixels as rows" not in forms, forms
+    check_model(onnx_model, random_inputs(spec))
+
+
 @pytest.mark.parametrize("cin,cout,size,stride,kernel,even", [
     (256, 256, 28, 2, 3, True),  # the direct kernel: 9 tasks alone
     (256, 512, 7, 1, 3, True),  # pixels as rows: 11 alone

@@ -177,6 +177,9 @@ def test_cost_model_avx512(size, kernel, stride, channels, gemms, wins):
     window = _window(size, kernel, stride)
     channels_in = 3 if kernel == 7 else channels
     assert pixel_rows_wins(Ctx(), window, channels, "float32", channels_in, gemms) == wins
+    # with the raw sums in a pass of their own the ungrouped ones stay with the direct kernel
+    assert pixel_rows_wins(Ctx(), window, channels, "float32", channels_in, gemms,
+                           in_registers=False) == (wins and gemms > 1)
 
 
 EPILOGUE = TileEpilogue(("max", ("add", ("total",), ("operand", 0)), ("const", 0.0)),

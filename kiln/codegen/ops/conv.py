@@ -89,6 +89,7 @@ from kiln.codegen.ops.conv_pixels import (
     pixel_rows_applies,
     pixel_rows_conv,
     pixel_rows_wins,
+    stores_in_registers,
 )
 from kiln.codegen.ops.conv_winograd import winograd_conv, winograd_tile_size
 from kiln.codegen.ops.conv_window import (
@@ -198,7 +199,7 @@ def _direct_gemm(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: ConvOp
     mg = w_shape[0] // group
     if (pixel_rows_applies(ctx, w, mg, ops.acc_dtype)
             and pixel_rows_wins(ctx, w, mg, ops.acc_dtype, in_shape[1] // group,
-                                ctx.out().shape[0] * group)
+                                ctx.out().shape[0] * group, stores_in_registers(ctx, ops))
             and pixel_rows_conv(ctx, w, w_shape, ops, group, in_shape)):
         return
     if _pixels_as_rows(ctx, ops.acc_dtype, mg, math.prod(w.out_size),

@@ -30,7 +30,7 @@ from dataclasses import replace
 import numpy as np
 
 from kiln.codegen import ir
-from kiln.codegen.contexts import StageCtx
+from kiln.codegen.contexts import Refused, StageCtx
 from kiln.codegen.expr import (
     Expr,
     add,
@@ -96,7 +96,10 @@ PHASES_OVERHEAD_MAX_PIXELS = 1024
 # ResNet-50 (whole model, per kernel, 1 thread) its 3 × 3 convs of stride 2 onto 14 × 14 and
 # 7 × 7 (256 and 512 channels) took 0.88× and 0.93× the time by the pixel-rows kernel as by the
 # direct kernel and the transposed GEMM (single convs at 2 threads, fastest of interleaved runs:
-# 0.98× and 0.95×); the one onto 28 × 28 (128) 0.99×, but 1.13× at 2 threads.
+# 0.98× and 0.95×); the one onto 28 × 28 (128) 0.99×, but 1.13× at 2 threads. ConvNeXt-T's
+# 2 × 2 conv of stride 2 onto 7 × 7 (384 to 768 channels): 0.6× at 1 and 2 threads. Only with the
+# epilogue in registers: LeViT-128's 3 × 3 of stride 2 onto 14 × 14, its output transposed into
+# tokens (the raw sums in a pass of their own), took 1.3-1.6×.
 UNGROUPED_PHASES_OVERHEAD_MAX_PIXELS = {64: 256}
 
 
@@ -127,7 +130,7 @@ def pixel_rows_applies(ctx: StageCtx, w: Window, channels_out: int, dtype: str) 
 
 
 def pixel_rows_wins(ctx: StageCtx, w: Window, channels_out: int, dtype: str,
-                    channels_in: int, gemms: int) -> bool:
+                    channels_in: int, gemms: int, in_registers: bool = True) -> bool:
     """Whether the pixel-rows kernel computes fewer products than `conv_direct`'s (its tile,
     its grid's columns past the output's, its last panel's whole vectors), after
     `PIXEL_ROWS_OVERHEAD` for each line its broadcasts move to per step. A grid of several
@@ -135,8 +138,9 @@ def pixel_rows_wins(ctx: StageCtx, w: Window, channels_out: int, dtype: str,
     `PHASES_OVERHEAD_MIN_CHANNELS` input channels (`channels_in`, per group) onto at most
     `PHASES_OVERHEAD_MAX_PIXELS` in at least `PHASES_OVERHEAD_MIN_GEMMS` (`gemms`: images ×
     groups), or in fewer onto at most `UNGROUPED_PHASES_OVERHEAD_MAX_PIXELS` of the target's
-    vector width; else (a stem, a large image, an ungrouped conv) it costs the pixel-rows kernel
-    its lines in every phase. Both read a copy of the input; the sum's length cancels."""
+    vector width when the pixel-rows kernel stores its tiles through the epilogue
+    (`in_registers`); else (a stem, a large image, an ungrouped conv) it costs the pixel-rows
+    kernel its lines in every phase. Both read a copy of the input; the sum's length cancels."""
     base = micro_kernel(ctx, dtype)
     uk = direct_tile(base, w, channels_out)
     grid, _ = _phase_grid(w, 1, 1)
@@ -144,7 +148,8 @@ def pixel_rows_wins(ctx: StageCtx, w: Window, channels_out: int, dtype: str,
               * computed_columns(w.out_size[0] * grid.wq, uk.nr, uk.lanes))
     lines = _lines_per_step(w)
     max_pixels = (PHASES_OVERHEAD_MAX_PIXELS if gemms >= PHASES_OVERHEAD_MIN_GEMMS
-                  else UNGROUPED_PHASES_OVERHEAD_MAX_PIXELS.get(base.vector_bytes, 0))
+                  else UNGROUPED_PHASES_OVERHEAD_MAX_PIXELS.get(base.vector_bytes, 0)
+                  if in_registers else 0)
     if channels_in >= PHASES_OVERHEAD_MIN_CHANNELS and math.prod(w.out_size) <= max_pixels:
         direct *= 1 + DIRECT_PHASES_OVERHEAD * (len(grid.phases) > 1)
     else:
@@ -288,22 +293,44 @@ def _output(ctx: StageCtx, ops: ConvOperands, shape: tuple[int, ...], uk: MicroK
     layout (its name returned too) for `epilogue_pass`."""
     n, m, i = at
     channels, pixels = shape[1], math.prod(shape[2:])
+    stored = _register_store(ctx, ops, shape)
+    if stored is not None:
+        found, ldc, (pi, pj, pb) = stored
+        mapping = {pi: i, pj: m, pb: n}
+        epilogue = found.epilogue or TileEpilogue(("total",), ())
+        return _Target(found.store.buffer, substitute(found.store.offset, mapping), ldc,
+                       epilogue, found.operands_at(mapping)), None
+    sums = ctx.scratch(ops.acc_dtype, math.prod(shape))
+    offset = add(mul(add(mul(n, channels), m), pixels), i)
+    return _Target(sums, offset, pixels, TileEpilogue(("total",), ()), ()), sums
+
+
+def _register_store(ctx: StageCtx, ops: ConvOperands, shape: tuple[int, ...]):
+    """(the register epilogue, the output's channel stride, its axes (pixel, channel, image))
+    when `register_epilogue` takes the results into one store contiguous along the pixels;
+    else None."""
+    channels, pixels = shape[1], math.prod(shape[2:])
     pi, pj, pb = ctx.var("i", pixels), ctx.var("j", channels), ctx.var("pb", shape[0])
     total = array_load(ctx.name("sum"), ops.acc_dtype, iconst(0))
     flat = add(mul(add(mul(pb, channels), pj), pixels), pi)
     found = register_epilogue(ctx.results({0: (Index(shape, flat=flat), ops.finish(total, pj))}),
                               total, (pi, pj, pb), rows_cross_batches=False)
-    if found is not None:
-        probe = load(found.store.buffer, ops.acc_dtype, found.store.offset)
-        ldc = stride_of(probe, pj)
-        if stride_of(probe, pi) == 1 and ldc is not None and ldc >= pixels:
-            mapping = {pi: i, pj: m, pb: n}
-            epilogue = found.epilogue or TileEpilogue(("total",), ())
-            return _Target(found.store.buffer, substitute(found.store.offset, mapping), ldc,
-                           epilogue, found.operands_at(mapping)), None
-    sums = ctx.scratch(ops.acc_dtype, math.prod(shape))
-    offset = add(mul(add(mul(n, channels), m), pixels), i)
-    return _Target(sums, offset, pixels, TileEpilogue(("total",), ()), ()), sums
+    if found is None:
+        return None
+    probe = load(found.store.buffer, ops.acc_dtype, found.store.offset)
+    ldc = stride_of(probe, pj)
+    if stride_of(probe, pi) == 1 and ldc is not None and ldc >= pixels:
+        return found, ldc, (pi, pj, pb)
+    return None
+
+
+def stores_in_registers(ctx: StageCtx, ops: ConvOperands) -> bool:
+    """Whether the pixel-rows kernel applies the conv's bias and epilogue in registers and
+    stores its tiles straight into the output (else the raw sums take a pass of their own)."""
+    try:
+        return _register_store(ctx, ops, ctx.out().shape) is not None
+    except Refused:  # the fused epilogue refuses this index form: the lowering will say so
+        return False
 
 
 def epilogue_pass(ctx: StageCtx, ops: ConvOperands, sums: str, pixels: int) -> None:
