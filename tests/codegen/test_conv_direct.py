@@ -338,6 +338,20 @@ def test_strided_ungrouped_conv_into_tokens_stays_direct_on_avx512():
     check_model(onnx_model, random_inputs(spec))
 
 
+def test_patch_embedding_as_transposed_gemm():
+    """ViT-Base's patch embedding (16 × 16 of stride 16 onto 14 × 14, 768 channels, the bias in
+    the GEMM's tiles): the transposed GEMM, pixels as rows, on AVX2 and AVX-512."""
+    rng = np.random.default_rng(12)
+    spec = {"x": ((1, 3, 224, 224), "float32")}
+    inits = {"w": rng.standard_normal((768, 3, 16, 16)).astype(np.float32),
+             "b": rng.standard_normal(768).astype(np.float32)}
+    onnx_model = model([helper.make_node("Conv", ["x", "w", "b"], ["y"], kernel_shape=[16, 16],
+                                         strides=[16, 16])], spec, ["y"], inits)
+    for on in (AVX512, target("x86_64")):
+        assert "implicit GEMM, pixels as rows" in _forms(onnx_model, on)
+    check_model(onnx_model, random_inputs(spec))
+
+
 @pytest.mark.parametrize("cin,cout,size,stride,kernel,even", [
     (256, 256, 28, 2, 3, True),  # the direct kernel: 9 tasks alone
     (256, 512, 7, 1, 3, True),  # pixels as rows: 11 alone
