@@ -66,7 +66,8 @@ def conv_model(path: Path, cin: int, cout: int, k: int, stride: int, hw: int,
     for i in range(depth):
         weight = (rng.standard_normal((cout, cin, k, k)) / np.sqrt(cin * k * k)).astype(np.float32)
         bias = rng.standard_normal(cout).astype(np.float32) * 0.1
-        weights += [numpy_helper.from_array(weight, f"w{i}"), numpy_helper.from_array(bias, f"b{i}")]
+        weights += [numpy_helper.from_array(weight, f"w{i}"),
+                    numpy_helper.from_array(bias, f"b{i}")]
         nodes += [helper.make_node("Conv", [x, f"w{i}", f"b{i}"], [f"c{i}"], kernel_shape=[k, k],
                                    strides=[stride, stride], pads=[k // 2] * 4),
                   helper.make_node("Relu", [f"c{i}"], [f"y{i}"])]
