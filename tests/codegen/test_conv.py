@@ -140,6 +140,36 @@ def test_pools(op, attrs):
                 random_inputs(spec))
 
 
+@pytest.mark.parametrize("op,shape,attrs", [
+    # ResNet's stem pool: each row's pixels whose window lies inside the input run as a vector loop
+    ("MaxPool", (1, 3, 40, 37), {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}),
+    ("MaxPool", (2, 2, 9, 50), {"kernel_shape": [3, 5], "pads": [2, 0, 0, 3], "dilations": [1, 2],
+                                "ceil_mode": 1, "strides": [1, 3]}),
+    ("MaxPool", (1, 2, 12, 40), {"kernel_shape": [7, 7], "pads": [3, 3, 3, 3]}),  # looped taps
+    ("MaxPool", (1, 3, 45), {"kernel_shape": [4], "strides": [2], "pads": [1, 2]}),
+    ("MaxPool", (1, 2, 5, 6, 36), {"kernel_shape": [2, 3, 3], "pads": [1, 1, 1, 0, 1, 1]}),
+    ("AveragePool", (1, 3, 20, 41), {"kernel_shape": [3, 3], "pads": [1, 1, 1, 1],
+                                     "strides": [2, 2]}),
+    ("AveragePool", (1, 2, 9, 40), {"kernel_shape": [3, 3], "pads": [1, 1, 1, 1],
+                                    "count_include_pad": 1, "ceil_mode": 1, "strides": [2, 2]}),
+    ("LpPool", (1, 2, 6, 35), {"kernel_shape": [2, 3], "pads": [1, 1, 0, 1], "p": 2}),
+])
+def test_pools_with_interior_runs(op, shape, attrs):
+    spec = {"x": (shape, "float32")}
+    check_model(model([helper.make_node(op, ["x"], ["y"], **attrs)], spec, ["y"], opset=19),
+                random_inputs(spec))
+
+
+def test_maxpool_indices_and_int8_with_interior_runs():
+    spec = {"x": ((1, 2, 7, 40), "float32")}
+    nodes = [helper.make_node("MaxPool", ["x"], ["y", "i"], kernel_shape=[3, 3], strides=[2, 2],
+                              pads=[1, 1, 1, 1], storage_order=1)]
+    check_model(model(nodes, spec, ["y", "i"]), random_inputs(spec))
+    spec = {"x": ((1, 2, 7, 40), "int8")}
+    nodes = [helper.make_node("MaxPool", ["x"], ["y"], kernel_shape=[3, 3], pads=[1, 1, 1, 1])]
+    check_model(model(nodes, spec, ["y"], opset=12), random_inputs(spec))
+
+
 def test_maxpool_indices():
     spec = {"x": ((1, 2, 5, 5), "float32")}
     nodes = [helper.make_node("MaxPool", ["x"], ["y", "i"], kernel_shape=[2, 2], strides=[2, 2],

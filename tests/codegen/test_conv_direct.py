@@ -4,13 +4,14 @@ strides, dilations, asymmetric pads, groups, batches, and fused prologues and ep
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from onnx import helper
 
 from kiln import frontend
 from kiln.codegen import generate
-from kiln.codegen.gemm.blocking import round_up
+from kiln.codegen.gemm.blocking import balanced, round_up
 from kiln.codegen.microkernel import VECTOR_REGISTERS, tile_for
 from kiln.codegen.ops.conv_direct import _phase_grid, computed_columns, direct_tile
 from kiln.codegen.ops.conv_window import Window
@@ -272,7 +273,7 @@ def winograd_cases(draw):
     of 0–2 on each side, batches."""
     cin, cout = draw(st.integers(1, 9)), draw(st.integers(16, 28))
     pads = [draw(st.integers(0, 2)) for _ in range(4)]
-    spatial = [draw(st.integers(14, 21)) for _ in range(2)]  # ≥ 36 tiles: a panel of 32
+    spatial = [draw(st.integers(17, 24)) for _ in range(2)]  # ≥ 64 tiles: two panels of 32
     attrs = {"kernel_shape": [3, 3], "pads": pads}
     return (draw(st.integers(1, 2)), cin, *spatial), (cout, cin, 3, 3), attrs
 
@@ -283,6 +284,94 @@ def test_winograd_conv(case, fusion):
     onnx_model, inputs = _conv_model(case, fusion, seed=7)
     check_model(onnx_model, inputs, partitioners=("none", "dnnfusion"))
     assert "Winograd" in _forms(onnx_model)
+
+
+AVX512 = Target("x86_64", "x86_64", ("avx512f", "avx2", "fma"), "gcc", ("-mavx512f", "-mfma"))
+
+
+def test_winograd_needs_two_panels_of_tiles_on_avx512():
+    """A 3 × 3 conv onto 14 × 14 (49 tiles of 2 × 2): Winograd on AVX2 (panels of 16 tiles), the
+    pixel-rows kernel on AVX-512 (panels of 32: two needed); onto 16 × 16 (64) Winograd on both."""
+    rng = np.random.default_rng(8)
+    for size, avx512_form in ((14, "direct, pixels as rows"), (16, "Winograd")):
+        spec = {"x": ((1, 64, size, size), "float32")}
+        inits = {"w": rng.standard_normal((64, 64, 3, 3)).astype(np.float32)}
+        onnx_model = model([helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[3, 3],
+                                             pads=[1, 1, 1, 1])], spec, ["y"], inits)
+        assert "Winograd" in _forms(onnx_model, target("x86_64"))
+        forms = _forms(onnx_model, AVX512)
+        assert avx512_form in forms and (size == 16 or "Winograd" not in forms)
+
+
+def test_strided_ungrouped_conv_by_pixel_rows_on_avx512():
+    """An ungrouped 3 × 3 conv of stride 2 onto 10 × 10: the pixel-rows kernel on AVX-512, the
+    direct kernel on AVX2; right on this host."""
+    rng = np.random.default_rng(10)
+    spec = {"x": ((1, 48, 20, 20), "float32")}
+    inits = {"w": rng.standard_normal((64, 48, 3, 3)).astype(np.float32),
+             "b": rng.standard_normal(64).astype(np.float32)}
+    onnx_model = model([helper.make_node("Conv", ["x", "w", "b"], ["c"], kernel_shape=[3, 3],
+                                         strides=[2, 2], pads=[1, 1, 1, 1]),
+                        helper.make_node("Relu", ["c"], ["y"])], spec, ["y"], inits)
+    assert "pixels as rows" in _forms(onnx_model, AVX512)
+    assert "pixels as rows" not in _forms(onnx_model, target("x86_64"))
+    check_model(onnx_model, random_inputs(spec))
+
+
+def test_strided_ungrouped_conv_into_tokens_stays_direct_on_avx512():
+    """The same conv with its output transposed into tokens (LeViT's stem): the pixel-rows
+    kernel would store raw sums for a pass of their own, so the direct kernel runs it."""
+    rng = np.random.default_rng(11)
+    spec = {"x": ((1, 48, 20, 20), "float32")}
+    inits = {"w": rng.standard_normal((64, 48, 3, 3)).astype(np.float32),
+             "b": rng.standard_normal(64).astype(np.float32),
+             "shape": np.array([1, 64, 100], np.int64)}
+    onnx_model = model([helper.make_node("Conv", ["x", "w", "b"], ["c"], kernel_shape=[3, 3],
+                                         strides=[2, 2], pads=[1, 1, 1, 1]),
+                        helper.make_node("Reshape", ["c", "shape"], ["r"]),
+                        helper.make_node("Transpose", ["r"], ["y"], perm=[0, 2, 1])],
+                       spec, ["y"], inits)
+    graph = frontend.build(onnx_model, {}, "test")
+    kernels = generate(plan_for(graph, "dnnfusion"), AVX512)
+    forms = [info.get("form") for k in kernels for info in k.schedule.get("stages", [])]
+    assert "direct GEMM" in forms and "direct, pixels as rows" not in forms, forms
+    check_model(onnx_model, random_inputs(spec))
+
+
+def test_patch_embedding_as_transposed_gemm():
+    """ViT-Base's patch embedding (16 × 16 of stride 16 onto 14 × 14, 768 channels, the bias in
+    the GEMM's tiles): the transposed GEMM, pixels as rows, on AVX2 and AVX-512."""
+    rng = np.random.default_rng(12)
+    spec = {"x": ((1, 3, 224, 224), "float32")}
+    inits = {"w": rng.standard_normal((768, 3, 16, 16)).astype(np.float32),
+             "b": rng.standard_normal(768).astype(np.float32)}
+    onnx_model = model([helper.make_node("Conv", ["x", "w", "b"], ["y"], kernel_shape=[16, 16],
+                                         strides=[16, 16])], spec, ["y"], inits)
+    for on in (AVX512, target("x86_64")):
+        assert "implicit GEMM, pixels as rows" in _forms(onnx_model, on)
+    check_model(onnx_model, random_inputs(spec))
+
+
+@pytest.mark.parametrize("cin,cout,size,stride,kernel,even", [
+    (256, 256, 28, 2, 3, True),  # the direct kernel: 9 tasks alone
+    (256, 512, 7, 1, 3, True),  # pixels as rows: 11 alone
+    (256, 256, 12, 1, 3, True),  # pixels as rows: 12 alone
+    (128, 256, 10, 1, 3, False),  # 12 tasks of 2.5M products; balanced, each under 2M
+])
+def test_direct_tasks_split_evenly_over_threads(cin, cout, size, stride, kernel, even):
+    """The direct kernels' tasks split evenly over 2, 4 and 8 threads (as the packed GEMM's)
+    when each keeps enough products and that keeps the tasks' own copies of the input."""
+    rng = np.random.default_rng(9)
+    spec = {"x": ((1, cin, size, size), "float32")}
+    inits = {"w": rng.standard_normal((cout, cin, kernel, kernel)).astype(np.float32)}
+    onnx_model = model([helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[kernel] * 2,
+                                         strides=[stride] * 2, pads=[kernel // 2] * 4)],
+                       spec, ["y"], inits)
+    graph = frontend.build(onnx_model, {}, "test")
+    stages = [info for k in generate(plan_for(graph, "none"), AVX512)
+              for info in k.schedule.get("stages", []) if "tasks" in info]
+    assert len(stages) == 1 and balanced(stages[0]["tasks"], 8) == even, stages
+    check_model(onnx_model, random_inputs(spec), partitioners=("none",))
 
 
 @st.composite

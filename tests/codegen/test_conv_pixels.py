@@ -161,6 +161,27 @@ def test_cost_model(size, kernel, stride, channels, channels_in, gemms, wins):
     assert pixel_rows_wins(Ctx(), window, channels, "float32", channels_in, gemms) == wins
 
 
+@pytest.mark.parametrize("size,kernel,stride,channels,gemms,wins", [
+    (28, 3, 2, 256, 1, True),  # ungrouped onto 14 × 14: the direct kernel's four phase planes
+    (14, 3, 2, 512, 1, True),  # onto 7 × 7
+    (56, 3, 2, 128, 1, False),  # onto 28 × 28: more than 256 pixels
+    (28, 1, 2, 512, 1, False),  # one phase plane: nothing for the direct kernel to pay
+    (224, 7, 2, 64, 1, False),  # a stem (3 input channels)
+    (28, 3, 2, 64, 8, True),
+])
+def test_cost_model_avx512(size, kernel, stride, channels, gemms, wins):
+    """On AVX-512 ungrouped strided convs onto small images charge the direct kernel its phases
+    as grouped ones do (on AVX2 they charge the pixel-rows kernel: `test_cost_model`)."""
+    class Ctx:
+        schedule = Schedule(vector_bytes=64, gemm_mr=12, gemm_nr=32)
+    window = _window(size, kernel, stride)
+    channels_in = 3 if kernel == 7 else channels
+    assert pixel_rows_wins(Ctx(), window, channels, "float32", channels_in, gemms) == wins
+    # with the raw sums in a pass of their own the ungrouped ones stay with the direct kernel
+    assert pixel_rows_wins(Ctx(), window, channels, "float32", channels_in, gemms,
+                           in_registers=False) == (wins and gemms > 1)
+
+
 EPILOGUE = TileEpilogue(("max", ("add", ("total",), ("operand", 0)), ("const", 0.0)),
                         ((0, 1),))
 

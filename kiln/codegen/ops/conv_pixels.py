@@ -30,7 +30,7 @@ from dataclasses import replace
 import numpy as np
 
 from kiln.codegen import ir
-from kiln.codegen.contexts import StageCtx
+from kiln.codegen.contexts import Refused, StageCtx
 from kiln.codegen.expr import (
     Expr,
     add,
@@ -56,7 +56,9 @@ from kiln.codegen.ops.conv_direct import (
     _copy_input,
     _copy_window,
     _phase_grid,
+    TaskWindow,
     _task_window,
+    balanced_split,
     computed_columns,
     copied_by_tasks,
     direct_tile,
@@ -90,6 +92,15 @@ DIRECT_PHASES_OVERHEAD = 1 / 4
 PHASES_OVERHEAD_MIN_CHANNELS = 16
 PHASES_OVERHEAD_MIN_GEMMS = 4
 PHASES_OVERHEAD_MAX_PIXELS = 1024
+# On AVX-512 (a Zen 4 class host) ungrouped convs count too, onto at most so many pixels: in
+# ResNet-50 (whole model, per kernel, 1 thread) its 3 × 3 convs of stride 2 onto 14 × 14 and
+# 7 × 7 (256 and 512 channels) took 0.88× and 0.93× the time by the pixel-rows kernel as by the
+# direct kernel and the transposed GEMM (single convs at 2 threads, fastest of interleaved runs:
+# 0.98× and 0.95×); the one onto 28 × 28 (128) 0.99×, but 1.13× at 2 threads. ConvNeXt-T's
+# 2 × 2 conv of stride 2 onto 7 × 7 (384 to 768 channels): 0.6× at 1 and 2 threads. Only with the
+# epilogue in registers: LeViT-128's 3 × 3 of stride 2 onto 14 × 14, its output transposed into
+# tokens (the raw sums in a pass of their own), took 1.3-1.6×.
+UNGROUPED_PHASES_OVERHEAD_MAX_PIXELS = {64: 256}
 
 
 def _lines_per_step(w: Window) -> float:
@@ -119,23 +130,27 @@ def pixel_rows_applies(ctx: StageCtx, w: Window, channels_out: int, dtype: str) 
 
 
 def pixel_rows_wins(ctx: StageCtx, w: Window, channels_out: int, dtype: str,
-                    channels_in: int, gemms: int) -> bool:
+                    channels_in: int, gemms: int, in_registers: bool = True) -> bool:
     """Whether the pixel-rows kernel computes fewer products than `conv_direct`'s (its tile,
     its grid's columns past the output's, its last panel's whole vectors), after
     `PIXEL_ROWS_OVERHEAD` for each line its broadcasts move to per step. A grid of several
     stride phases costs the direct kernel `DIRECT_PHASES_OVERHEAD` on a sum over at least
     `PHASES_OVERHEAD_MIN_CHANNELS` input channels (`channels_in`, per group) onto at most
     `PHASES_OVERHEAD_MAX_PIXELS` in at least `PHASES_OVERHEAD_MIN_GEMMS` (`gemms`: images ×
-    groups); else (a stem, a large image, an ungrouped conv) it costs the pixel-rows kernel its
-    lines in every phase. Both read a copy of the input; the sum's length cancels."""
+    groups), or in fewer onto at most `UNGROUPED_PHASES_OVERHEAD_MAX_PIXELS` of the target's
+    vector width when the pixel-rows kernel stores its tiles through the epilogue
+    (`in_registers`); else (a stem, a large image, an ungrouped conv) it costs the pixel-rows
+    kernel its lines in every phase. Both read a copy of the input; the sum's length cancels."""
     base = micro_kernel(ctx, dtype)
     uk = direct_tile(base, w, channels_out)
     grid, _ = _phase_grid(w, 1, 1)
     direct = (round_up(channels_out, uk.mr)
               * computed_columns(w.out_size[0] * grid.wq, uk.nr, uk.lanes))
     lines = _lines_per_step(w)
-    if (channels_in >= PHASES_OVERHEAD_MIN_CHANNELS and gemms >= PHASES_OVERHEAD_MIN_GEMMS
-            and math.prod(w.out_size) <= PHASES_OVERHEAD_MAX_PIXELS):
+    max_pixels = (PHASES_OVERHEAD_MAX_PIXELS if gemms >= PHASES_OVERHEAD_MIN_GEMMS
+                  else UNGROUPED_PHASES_OVERHEAD_MAX_PIXELS.get(base.vector_bytes, 0)
+                  if in_registers else 0)
+    if channels_in >= PHASES_OVERHEAD_MIN_CHANNELS and math.prod(w.out_size) <= max_pixels:
         direct *= 1 + DIRECT_PHASES_OVERHEAD * (len(grid.phases) > 1)
     else:
         lines *= len(grid.phases)
@@ -158,16 +173,23 @@ def pixel_rows_conv(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: Con
     grid, row_offsets = _phase_grid(w, cg, 1)
     (oh, ow), wq = w.out_size, grid.wq
     s, bt = ctx.schedule, batch * group
-    blk = blocking(pixels, mg, k_total, bt, uk, s.gemm_mc, s.gemm_nc, s.gemm_kc)
+    window_name = ctx.name("xw")
+
+    def split(balance: bool) -> tuple[Blocking, int, TaskWindow, bool]:
+        blk = blocking(pixels, mg, k_total, bt, uk, s.gemm_mc, s.gemm_nc, s.gemm_kc,
+                       balance=balance)
+        tasks = bt * -(-mg // blk.nc) * -(-pixels // blk.mc)
+        # the most grid rows a block's pixels span
+        spanned = max(min(i0 + blk.mc, pixels) - 1 - (i0 - i0 % ow) for i0 in
+                      range(0, pixels, blk.mc)) // ow + 1
+        window = _task_window(window_name, w, grid, Blocking(blk.mc, spanned * wq, blk.kc),
+                              math.prod(w.kernel), k_total, spanned)
+        return (blk, tasks, window,
+                copied_by_tasks(window, tasks * -(-k_total // blk.kc), grid, bt * cg, dtype))
+
+    blk, tasks, window, by_tasks = balanced_split(split, bt * pixels * mg * k_total)
     row_blocks, col_blocks, k_blocks = -(-pixels // blk.mc), -(-mg // blk.nc), -(-k_total // blk.kc)
-    tasks = bt * col_blocks * row_blocks
-    # the grid row each pixel's block starts on, and the most rows a block's pixels span
-    first_rows = np.arange(pixels) // blk.mc * blk.mc // ow
-    spanned = max(min(i0 + blk.mc, pixels) - 1 - (i0 - i0 % ow) for i0 in
-                  range(0, pixels, blk.mc)) // ow + 1
-    window = _task_window(ctx.name("xw"), w, grid, Blocking(blk.mc, spanned * wq, blk.kc),
-                          math.prod(w.kernel), k_total, spanned)
-    by_tasks = copied_by_tasks(window, tasks * k_blocks, grid, bt * cg, dtype)
+    first_rows = np.arange(pixels) // blk.mc * blk.mc // ow  # the grid row each block starts on
     grid_at = np.arange(pixels) // ow * wq + np.arange(pixels) % ow
     if by_tasks:  # each task's window starts on its block's first grid row
         copy, segment, row_offsets = window.name, 0, window.row_offsets
@@ -271,22 +293,44 @@ def _output(ctx: StageCtx, ops: ConvOperands, shape: tuple[int, ...], uk: MicroK
     layout (its name returned too) for `epilogue_pass`."""
     n, m, i = at
     channels, pixels = shape[1], math.prod(shape[2:])
+    stored = _register_store(ctx, ops, shape)
+    if stored is not None:
+        found, ldc, (pi, pj, pb) = stored
+        mapping = {pi: i, pj: m, pb: n}
+        epilogue = found.epilogue or TileEpilogue(("total",), ())
+        return _Target(found.store.buffer, substitute(found.store.offset, mapping), ldc,
+                       epilogue, found.operands_at(mapping)), None
+    sums = ctx.scratch(ops.acc_dtype, math.prod(shape))
+    offset = add(mul(add(mul(n, channels), m), pixels), i)
+    return _Target(sums, offset, pixels, TileEpilogue(("total",), ()), ()), sums
+
+
+def _register_store(ctx: StageCtx, ops: ConvOperands, shape: tuple[int, ...]):
+    """(the register epilogue, the output's channel stride, its axes (pixel, channel, image))
+    when `register_epilogue` takes the results into one store contiguous along the pixels;
+    else None."""
+    channels, pixels = shape[1], math.prod(shape[2:])
     pi, pj, pb = ctx.var("i", pixels), ctx.var("j", channels), ctx.var("pb", shape[0])
     total = array_load(ctx.name("sum"), ops.acc_dtype, iconst(0))
     flat = add(mul(add(mul(pb, channels), pj), pixels), pi)
     found = register_epilogue(ctx.results({0: (Index(shape, flat=flat), ops.finish(total, pj))}),
                               total, (pi, pj, pb), rows_cross_batches=False)
-    if found is not None:
-        probe = load(found.store.buffer, ops.acc_dtype, found.store.offset)
-        ldc = stride_of(probe, pj)
-        if stride_of(probe, pi) == 1 and ldc is not None and ldc >= pixels:
-            mapping = {pi: i, pj: m, pb: n}
-            epilogue = found.epilogue or TileEpilogue(("total",), ())
-            return _Target(found.store.buffer, substitute(found.store.offset, mapping), ldc,
-                           epilogue, found.operands_at(mapping)), None
-    sums = ctx.scratch(ops.acc_dtype, math.prod(shape))
-    offset = add(mul(add(mul(n, channels), m), pixels), i)
-    return _Target(sums, offset, pixels, TileEpilogue(("total",), ()), ()), sums
+    if found is None:
+        return None
+    probe = load(found.store.buffer, ops.acc_dtype, found.store.offset)
+    ldc = stride_of(probe, pj)
+    if stride_of(probe, pi) == 1 and ldc is not None and ldc >= pixels:
+        return found, ldc, (pi, pj, pb)
+    return None
+
+
+def stores_in_registers(ctx: StageCtx, ops: ConvOperands) -> bool:
+    """Whether the pixel-rows kernel applies the conv's bias and epilogue in registers and
+    stores its tiles straight into the output (else the raw sums take a pass of their own)."""
+    try:
+        return _register_store(ctx, ops, ctx.out().shape) is not None
+    except Refused:  # the fused epilogue refuses this index form: the lowering will say so
+        return False
 
 
 def epilogue_pass(ctx: StageCtx, ops: ConvOperands, sums: str, pixels: int) -> None:

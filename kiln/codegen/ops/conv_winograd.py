@@ -62,6 +62,16 @@ TRANSFORMS = {
 # of 32 — runs 1.6× faster than the direct kernel; 7 × 7 — 16 tiles, half a panel — 2× slower.
 # F(4×4, 3×3) did no better than F(2×2) at 28 × 28 and 56 × 56, with 10× the rounding error.)
 MIN_TILE_PANELS = 1
+# Where a vector holds 16 floats (AVX-512) the products Winograd saves cost half what they do in
+# AVX2's 8 lanes, and its memory traffic — the transforms and 16/9 the weights, from memory in a
+# whole model — as much: there an image needs two panels of tiles. On a Zen 4 class host, CPU
+# time at 1 thread of chains of 3 × 3 convs, each its own weights (cold, as in a model): 49 tiles
+# (14 × 14, 192 and 256 channels) took 0.85× and 0.97× the time by the pixel-rows kernel
+# (0.92× at 2 threads; in isolation, the weights cached, Winograd ran 1.2× faster), 36 tiles
+# (12 × 12, 384) 0.84×; 64 tiles (16 × 16, 96) ran as fast either way and 196 (28 × 28, 128 and
+# 256) 1.25-1.5× faster by Winograd. The same chains built for AVX2 ran faster by Winograd on
+# that host at 49 tiles (0.82×) and 16 (7 × 7, 512: 0.87×).
+MIN_TILE_PANELS_BY_VECTOR_BYTES = {64: 2}
 
 
 def winograd_tile_size(ctx: StageCtx, w: Window, group: int, acc_dtype: str) -> int:
@@ -77,7 +87,8 @@ def winograd_tile_size(ctx: StageCtx, w: Window, group: int, acc_dtype: str) -> 
     if not s.conv_winograd or s.vector_bytes == 0 or ctx.out().shape[1] < s.gemm_min_m:
         return 0
     uk = micro_kernel(ctx, acc_dtype)
-    return m if tiles >= MIN_TILE_PANELS * uk.nr else 0
+    panels = MIN_TILE_PANELS_BY_VECTOR_BYTES.get(uk.vector_bytes, MIN_TILE_PANELS)
+    return m if tiles >= panels * uk.nr else 0
 
 
 def _combination(coefficients, values: list[Expr], dtype: str) -> Expr:
