@@ -47,7 +47,7 @@ from kiln.codegen.expr import (
     iconst,
     imin,
     mul,
-    rebuild,
+    replace_nodes,
     sub,
     substitute,
     var,
@@ -195,16 +195,6 @@ def rows_across_lanes(names: Callable[[str], str], rows: int, o: Expr,
     return ir.Loop(k, iconst(0), iconst(tiles), stmts, parallel=1, grain="chunks")
 
 
-def _replaced(e: Expr, nodes: dict[Expr, Expr], memo: dict[Expr, Expr]) -> Expr:
-    """`e` with every occurrence of a key of `nodes` (any sub-expression) replaced by its value."""
-    if e in nodes:
-        return nodes[e]
-    if e not in memo:
-        args = tuple(_replaced(a, nodes, memo) for a in e.args)
-        memo[e] = e if all(a is b for a, b in zip(args, e.args)) else rebuild(e, args)
-    return memo[e]
-
-
 def _stride(load: Expr, v: Expr) -> int | None:
     """How far a load's offset moves when `v` grows by one (None: not by a constant)."""
     offset = load.args[0]
@@ -320,7 +310,7 @@ class _Expansion:
             loads[e] = array_load(name, e.dtype, self.offset)
         if loads:
             memo: dict[Expr, Expr] = {}
-            ir.map_exprs(inner, lambda e: _replaced(e, loads, memo))
+            ir.map_exprs(inner, lambda e: replace_nodes(e, loads, memo))
         return before, inner
 
     def element(self, stmt: ir.Stmt) -> ir.Stmt | None:

@@ -513,6 +513,19 @@ def substitute(e: Expr, mapping: dict[Expr, Expr], memo: dict[Expr, Expr] | None
     return result
 
 
+def replace_nodes(e: Expr, mapping: dict[Expr, Expr], memo: dict[Expr, Expr] | None = None) -> Expr:
+    """`e` with every occurrence of a key of `mapping` (any node, not only the loop variables
+    that `substitute` replaces) replaced by its value, rebuilt through the simplifying
+    constructors."""
+    memo = {} if memo is None else memo
+    if e in mapping:
+        return mapping[e]
+    if e not in memo:
+        args = tuple(replace_nodes(a, mapping, memo) for a in e.args)
+        memo[e] = e if all(a is b for a, b in zip(args, e.args)) else rebuild(e, args)
+    return memo[e]
+
+
 def rebuild(e: Expr, args: tuple[Expr, ...]) -> Expr:
     """The node `e` with new children, simplified."""
     op = e.op

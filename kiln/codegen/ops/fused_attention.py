@@ -53,7 +53,7 @@ from kiln.codegen.expr import (
     load,
     make,
     mul,
-    rebuild,
+    replace_nodes,
     select,
     sub,
     substitute,
@@ -350,7 +350,7 @@ def _operands_in_loop_order(ctx: StageCtx, score: Expr, loops: tuple[Expr, ...])
         else:
             name = _copy_in_loop_order(ctx, node, used, extents, offsets)
             replaced[node] = load(name, node.dtype, copy)
-    return _replace(score, replaced, {}) if replaced else score
+    return replace_nodes(score, replaced) if replaced else score
 
 
 def _copy_in_loop_order(ctx: StageCtx, node: Expr, used: list[Expr], extents: list[int],
@@ -381,17 +381,6 @@ def _copy_in_loop_order(ctx: StageCtx, node: Expr, used: list[Expr], extents: li
 def _unit_stride(offsets: np.ndarray, axis: int) -> bool:
     """Whether the offsets step by 1 along `axis` (that loop goes innermost)."""
     return offsets.shape[axis] > 1 and bool(np.all(np.diff(offsets, axis=axis) == 1))
-
-
-def _replace(e: Expr, mapping: dict[Expr, Expr], memo: dict[Expr, Expr]) -> Expr:
-    """`e` with the nodes of `mapping` replaced (any node, not only the loop variables that
-    `kiln.codegen.expr.substitute` replaces)."""
-    if e in mapping:
-        return mapping[e]
-    if e not in memo:
-        args = tuple(_replace(a, mapping, memo) for a in e.args)
-        memo[e] = e if all(a is b for a, b in zip(args, e.args)) else rebuild(e, args)
-    return memo[e]
 
 
 def _panels(ctx: StageCtx, name: str, mr: int, extent: int, depth: int,
