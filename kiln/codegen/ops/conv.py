@@ -315,17 +315,7 @@ def _by_pixels(ctx: StageCtx, ops: ConvOperands, batch: tuple[int, ...],
     channel, too few for a vector loop (a SiLU's exp would run in scalar code)."""
     out = ctx.out()
     pixels, channels, reduction = sizes
-
-    def at(b: Expr, i: Expr, j: Expr) -> Expr:
-        return add(mul(add(mul(b, channels), j), pixels), i)
-
-    def out_index(b: Expr, i: Expr, j: Expr) -> Index:
-        return Index(out.shape, flat=at(b, i, j))
-
-    def finish(total: Expr, b: Expr, i: Expr, j: Expr) -> Expr:
-        # the output channel: the entry's group's first one plus j
-        return ops.finish(total, modulo(add(mul(b, channels), j), out.shape[1]))
-
+    at, out_index, finish = _by_pixels_layout(ctx, ops, channels, pixels)
     if _call_free_epilogue(ctx, ops, out_index, finish):
         contraction(ctx, Contraction(batch, pixels, channels, reduction, *operand_batches, a_at,
                                      b_at, out_index, finish, ops.acc_dtype))
@@ -341,17 +331,31 @@ def _by_pixels(ctx: StageCtx, ops: ConvOperands, batch: tuple[int, ...],
 def _by_pixels_in_tiles(ctx: StageCtx, ops: ConvOperands, channels: int, pixels: int) -> bool:
     """Whether `_by_pixels` would apply the bias and epilogue in the GEMM's tiles (entries of
     `channels` output channels by `pixels`)."""
-    out = ctx.out()
-
-    def out_index(b: Expr, i: Expr, j: Expr) -> Index:
-        return Index(out.shape, flat=add(mul(add(mul(b, channels), j), pixels), i))
-
-    def finish(total: Expr, b: Expr, i: Expr, j: Expr) -> Expr:
-        return ops.finish(total, modulo(add(mul(b, channels), j), out.shape[1]))
+    _, out_index, finish = _by_pixels_layout(ctx, ops, channels, pixels)
     try:
         return _call_free_epilogue(ctx, ops, out_index, finish)
     except Refused:  # the fused epilogue takes no results by pixels: nor would `_by_pixels`
         return False
+
+
+def _by_pixels_layout(ctx: StageCtx, ops: ConvOperands, channels: int, pixels: int) -> tuple[
+        Callable[[Expr, Expr, Expr], Expr], Callable[[Expr, Expr, Expr], Index],
+        Callable[[Expr, Expr, Expr, Expr], Expr]]:
+    """For the GEMM of batch entry b (pixel i, channel j of the entry's `channels`): the result's
+    flat offset in the output, its index, and `finish` (bias and epilogue of its channel)."""
+    out = ctx.out()
+
+    def at(b: Expr, i: Expr, j: Expr) -> Expr:
+        return add(mul(add(mul(b, channels), j), pixels), i)
+
+    def out_index(b: Expr, i: Expr, j: Expr) -> Index:
+        return Index(out.shape, flat=at(b, i, j))
+
+    def finish(total: Expr, b: Expr, i: Expr, j: Expr) -> Expr:
+        # the output channel: the entry's group's first one plus j
+        return ops.finish(total, modulo(add(mul(b, channels), j), out.shape[1]))
+
+    return at, out_index, finish
 
 
 def _call_free_epilogue(ctx: StageCtx, ops: ConvOperands,
