@@ -1,16 +1,15 @@
-"""Latency after idle pauses: how OpenMP's spin count before a waiting thread sleeps
-(GOMP_SPINCOUNT, `kiln.runtime.openmp.SPIN_COUNT`) trades a quiet machine's latency for a loaded
-one's.
+"""Latency after idle pauses: how long the thread pool's workers spin before they sleep
+(KILN_SPIN_US, `kiln/codegen/render/pool.c`) trades a quiet machine's latency for a loaded one's.
 
-For each model and each spin count, a process of its own (libgomp reads the variable once, when
-it is loaded) runs the artifact in-process (the loader) and times one call after each pause of
+For each model and each spin time, a process of its own (the pool reads the variable when it
+starts its workers) runs the artifact in-process (the loader) and times one call after each pause of
 `--pause` seconds (a request arriving at an idle server), and calls back to back. With `--busy N`
 it does so again while N other processes spin on the CPUs (an oversubscribed host). onnxruntime
 (its own thread pool, which spins for tens of milliseconds after a call and whose parallel loops
 do not wait for late threads) is measured the same way, in a process of its own, as the last row
 ("ort"). Prints medians in milliseconds and each row's figures against the first spin count.
 
-    python bench/idle_latency.py [--models mobilenetv2,tinybert] [--spins 1000,5000]
+    python bench/idle_latency.py [--models mobilenetv2,tinybert] [--spin-us 300,0,3000]
                                  [--pause 0.5] [--rounds 15] [--busy 4] [--keep DIR]
 """
 from __future__ import annotations
@@ -68,13 +67,13 @@ def _spin() -> None:
         pass
 
 
-def measure(artifact: Path | str, model: BenchModel, spins: str, args: argparse.Namespace) -> dict:
+def measure(artifact: Path | str, model: BenchModel, spin_us: str,
+            args: argparse.Namespace) -> dict:
     from bench import unseen
     from bench.zoo import MODELS
 
     spec = model.name if model.name in MODELS or model.name in unseen.MODELS else str(model.path)
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    env["GOMP_SPINCOUNT"] = spins
+    env = {**os.environ, "KILN_SPIN_US": spin_us}
     done = subprocess.run([sys.executable, __file__, "--child", str(artifact), spec,
                            json.dumps({k: list(v) for k, v in model.shapes.items()}),
                            str(args.threads), str(args.pause), str(args.rounds)],
@@ -92,18 +91,18 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = zoo_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     parser.set_defaults(models="mobilenetv2,tinybert")
-    parser.add_argument("--spins", default="1000,5000",
-                        help="GOMP_SPINCOUNT values to compare (the first is the baseline)")
+    parser.add_argument("--spin-us", default="300,0,3000",
+                        help="KILN_SPIN_US values to compare (the first is the baseline)")
     parser.add_argument("--pause", type=float, default=0.5, help="seconds idle before a call")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--busy", type=int, default=0,
                         help="also measure with this many processes spinning on the CPUs")
     args = parser.parse_args(argv)
-    spins = [s.strip() for s in args.spins.split(",") if s.strip()]
+    spins = [s.strip() for s in args.spin_us.split(",") if s.strip()]
     loads = [0] + ([args.busy] if args.busy else [])
     print(f"median ms, {args.threads} threads; idle = one call after {args.pause} s idle, "
-          f"steady = calls back to back; ratios against GOMP_SPINCOUNT={spins[0]}")
-    print(f"{'model':16s} {'busy':>4s} {'spins':>8s} {'idle ms':>9s} {'steady ms':>9s} "
+          f"steady = calls back to back; ratios against KILN_SPIN_US={spins[0]}")
+    print(f"{'model':16s} {'busy':>4s} {'spin us':>8s} {'idle ms':>9s} {'steady ms':>9s} "
           f"{'idle/base':>9s} {'steady/base':>11s}")
     with work_folder(args.keep, "kiln-idle-") as work:
         for model in bench_models(args):

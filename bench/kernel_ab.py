@@ -28,10 +28,6 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kiln.runtime.openmp import openmp_wait_environment  # noqa: E402
-
-os.environ.update(openmp_wait_environment())
-
 from bench.latency import SETTLE_S, WARM_S  # noqa: E402
 from kiln.runtime.artifact import open_artifact  # noqa: E402
 from kiln.runtime.inputs import random_inputs  # noqa: E402

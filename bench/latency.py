@@ -35,12 +35,6 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kiln.runtime.openmp import openmp_wait_environment  # noqa: E402
-
-# torch (bench.zoo exports models with it) loads its libgomp.so.1 before any artifact, and the
-# artifacts' kernels then share it: give it the wait policy Kiln's loader gives its own.
-os.environ.update(openmp_wait_environment())
-
 from bench.peers import openvino_call, ort_session  # noqa: E402
 from bench.zoo import MODELS, ensure_model, make_inputs  # noqa: E402
 from kiln import frontend  # noqa: E402

@@ -55,9 +55,9 @@ C_OPENMP = Backend(
     renderer=CRenderer,
     toolchain=Toolchain(
         source_suffix=".c",
-        # -fno-math-errno: errno-free sqrt etc. vectorise
-        compile_flags=("-O3", "-fopenmp", "-fPIC", "-fno-math-errno"),
-        link_flags=("-fopenmp",),
+        # -fno-math-errno: errno-free sqrt etc. vectorise; OpenMP only for its `simd` loops
+        compile_flags=("-O3", "-fopenmp-simd", "-pthread", "-fPIC", "-fno-math-errno"),
+        link_flags=("-pthread",),
         libraries=("-lm",),
     ),
     runner="runner.c",

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from kiln.codegen import Kernel
+from kiln.codegen.render.c import pool_source
 from kiln.ecg import Graph
 from kiln.errors import KilnError
 from kiln.runtime import driver
@@ -41,20 +42,12 @@ from kiln.runtime.toolchain import BuildCache, Compiler, ToolchainError, link_sh
 MIN_SAMPLE_S = 0.003  # one sample repeats the kernel until it has run about this long
 ALIGN = 64
 
-HARNESS = r"""/* Kiln tuner: timing loop. */
+HARNESS = pool_source() + r"""
+/* Kiln tuner: timing loop. */
 #include <stdint.h>
 #include <time.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 typedef void (*kiln_tune_fn)(void *const *args);
-void kiln_tune_set_threads(int n) {
-#ifdef _OPENMP
-  if (n > 0) omp_set_num_threads(n);
-#else
-  (void)n;
-#endif
-}
+void kiln_tune_set_threads(int n) { kiln_pool_set_threads(n); }
 double kiln_tune_run(kiln_tune_fn fn, void *const *args, int64_t calls) {
   struct timespec a, b;
   int64_t i;

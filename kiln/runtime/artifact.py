@@ -45,7 +45,6 @@ from kiln.plan import FusionPlan
 from kiln.files import cache_dir, temporary_beside
 from kiln.runtime import cuda_driver, driver, nvcc, opencl_driver
 from kiln.runtime.memory import MemoryPlan, plan_memory, weights_blob
-from kiln.runtime.openmp import runner_prelude
 from kiln.runtime.toolchain import (
     BuildCache,
     build_timeout,
@@ -127,8 +126,7 @@ def _sources(plan: FusionPlan, kernels: Sequence[Kernel], memory: MemoryPlan,
     sources["model.c"] = host_driver.model_source(plan.graph, kernels, memory, units)
     sources[driver.HEADER_NAME] = driver.header_text()
     runner = backend_for(target).runner
-    sources[runner] = (runner_prelude()
-                       + resources.files("kiln.runtime").joinpath(runner).read_text())
+    sources[runner] = resources.files("kiln.runtime").joinpath(runner).read_text()
     return sources
 
 

@@ -19,6 +19,7 @@ from importlib import resources
 import numpy as np
 
 from kiln.codegen import Kernel
+from kiln.codegen.render.c import pool_source
 from kiln.ecg import Graph
 from kiln.errors import KilnError
 from kiln.runtime.memory import MemoryPlan, Ref
@@ -74,6 +75,7 @@ def model_source(graph: Graph, kernels: Sequence[Kernel], memory: MemoryPlan,
         _steps(ordered, memory, units),
         _copies(memory),
         HELPERS_C,
+        pool_source(),
         _RUNTIME,
     ]
     return "\n\n".join(sections) + "\n"
@@ -157,9 +159,6 @@ _PRELUDE = r"""#include <errno.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 enum { KILN_INPUT, KILN_OUTPUT, KILN_WEIGHTS, KILN_ARENA, KILN_SCRATCH };
 
@@ -261,12 +260,7 @@ kiln_model *kiln_model_create(const char *weights_path, char *error, size_t erro
 void kiln_model_set_threads(kiln_model *m, int threads) { m->threads = threads > 0 ? threads : 0; }
 
 int kiln_model_threads(const kiln_model *m) {
-#ifdef _OPENMP
-    return m->threads > 0 ? m->threads : omp_get_max_threads();
-#else
-    (void)m;
-    return 1;
-#endif
+    return m->threads > 0 ? m->threads : kiln_pool_default_threads();
 }
 
 void kiln_model_set_profile(kiln_model *m, uint64_t *kernel_ns) { m->profile = kernel_ns; }
@@ -286,9 +280,7 @@ int kiln_model_run(kiln_model *m, void *const *inputs, void *const *outputs) {
         if (kiln_arg_refs[i].region == KILN_INPUT) m->args[i] = inputs[kiln_arg_refs[i].where];
         else if (kiln_arg_refs[i].region == KILN_OUTPUT) m->args[i] = outputs[kiln_arg_refs[i].where];
     }
-#ifdef _OPENMP
-    if (m->threads > 0) omp_set_num_threads(m->threads);
-#endif
+    kiln_pool_set_threads(m->threads);
     for (i = 0; i < (size_t)kiln_model_num_kernels; i++) {
         const kiln_step *s = &kiln_steps[i];
         if (m->profile) {

@@ -13,7 +13,6 @@ serialised (it owns one arena); each call is a single native call into the libra
 from __future__ import annotations
 
 import ctypes
-import os
 import platform
 import threading
 import weakref
@@ -25,7 +24,6 @@ import numpy as np
 
 from kiln.errors import KilnError
 from kiln.runtime.artifact import Artifact, ArtifactError, TensorInfo, open_artifact
-from kiln.runtime.openmp import openmp_wait_environment
 from kiln.target import host_target
 
 ERROR_BYTES = 1024
@@ -142,16 +140,7 @@ def check_input(info: TensorInfo, value: Any) -> np.ndarray:
 
 
 def _load_library(path: Path) -> ctypes.CDLL:
-    """The artifact's library, with Kiln's wait policy for the OpenMP runtime it loads (libgomp
-    reads the environment once, when it is loaded; the process's environment is restored
-    afterwards). A libgomp.so.1 another library loaded first (torch's) keeps its own policy."""
-    extra = openmp_wait_environment()
-    os.environ.update(extra)
-    try:
-        return ctypes.CDLL(str(path))
-    finally:
-        for name in extra:
-            os.environ.pop(name, None)
+    return ctypes.CDLL(str(path))
 
 
 def _pointers(arrays: Sequence[np.ndarray]) -> ctypes.Array:

@@ -7,7 +7,8 @@
  *                a C-ordered array of exactly the input's dtype and shape
  *   -n RUNS      timed runs (default 10)
  *   -w WARMUP    untimed warm-up runs first (default 2)
- *   -t THREADS   threads (default: $KILN_NUM_THREADS, else OpenMP's default)
+ *   -t THREADS   threads (default: $KILN_NUM_THREADS, else $OMP_NUM_THREADS, else
+ *                the CPUs this process may run on)
  *   -o DIR       write the outputs of the last run to DIR/output_<i>.npy (the folder must exist)
  *
  * Prints one JSON object on stdout:
@@ -23,10 +24,9 @@
  * ru_maxrss: Linux carries that over exec from the process that forked the runner.
  * Exit status: 0 on success, 2 for bad arguments or input files, 1 when the model fails.
  *
- * OpenMP's worker threads spin briefly between parallel regions, then sleep (GOMP_SPINCOUNT =
- * KILN_GOMP_SPINCOUNT, defined ahead of this file from kiln/runtime/openmp.py, the loader's
- * source too) unless OMP_WAIT_POLICY or GOMP_SPINCOUNT is set: long enough to bridge one kernel
- * to the next, short enough that a descheduled spinner does not stall a loaded machine.
+ * The kernels' parallel loops run on Kiln's thread pool (kiln/codegen/render/pool.c): its workers
+ * spin for $KILN_SPIN_US microseconds after a loop, then sleep, and a loop never waits for a
+ * worker that has not woken: the calling thread takes its share.
  */
 #include "kiln_model.h"
 
@@ -78,13 +78,6 @@ static void *alloc_buffer(size_t nbytes) {
     void *p = aligned_alloc(64, (nbytes + 63u) / 64u * 64u + 64u);
     if (!p) die(1, "out of memory allocating %zu bytes", nbytes);
     return p;
-}
-
-/* Runs before libgomp's own constructor reads the environment (a lower priority number runs
- * first, and libgomp's constructor has none). */
-__attribute__((constructor(101))) static void default_wait_policy(void) {
-    if (!getenv("OMP_WAIT_POLICY") && !getenv("GOMP_SPINCOUNT"))
-        setenv("GOMP_SPINCOUNT", KILN_GOMP_SPINCOUNT, 0);
 }
 
 /* ---- .npy files --------------------------------------------------------------------------- */

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import re
 import shutil
 import subprocess
 import tempfile
@@ -24,10 +25,19 @@ from kiln.profile.machine import host_machine
 from kiln.profile.roofline import RooflineModel
 from kiln.target import host_target
 
-CFLAGS = ("-O2", "-fopenmp", "-shared", "-fPIC")
+CFLAGS = ("-O2", "-fopenmp-simd", "-pthread", "-shared", "-fPIC")
 BUILD_DIR = Path(tempfile.gettempdir()) / "kiln-codegen-tests"
 PARTITIONERS = ("none", "fixed", "dnnfusion", "graphturbo", "fusionstitching")
 _STORE: list[RooflineModel] = []
+
+
+PARALLEL_CALL = re.compile(r"kiln_parallel_for\((\w+), &kiln_c, (\d+), (\d+), KILN_POOL_(\w+)\);")
+
+
+def parallel_loops(source: str) -> list[tuple[int, int, str]]:
+    """(iterations, chunk, mode) of every parallel loop a kernel hands to the thread pool, in
+    source order; mode is "DYNAMIC", "EVEN" or "CYCLIC"."""
+    return [(int(total), int(chunk), mode) for _, total, chunk, mode in PARALLEL_CALL.findall(source)]
 
 
 def store() -> RooflineModel:

@@ -14,6 +14,7 @@ from kiln.codegen import generate, ir
 from kiln.codegen.expr import add, binary, iconst, load, mul, var
 from kiln.codegen.passes import bind_values
 from kiln.codegen.render.c import CRenderer
+from kiln.codegen.render.cstyle import CStyleRenderer
 from kiln.errors import KilnError
 from kiln.target import target
 from tests.codegen.harness import assert_matches, model, plan_for, reference, run_kernels
@@ -22,10 +23,14 @@ SPEC = {"x": ((96, 128), "float32")}
 
 
 class SerialC(CRenderer):
-    """C without OpenMP: the only override is how a parallel or vector loop is mapped."""
+    """C without threads or vector pragmas: the overrides are how a parallel nest and a vector
+    loop are mapped."""
 
     def parallel_loop(self, loop: ir.Loop) -> list[str]:
         return []
+
+    def outlined_loop(self, loop: ir.Loop) -> list[str]:
+        return CStyleRenderer.loop(self, loop)
 
 
 def _model():
@@ -50,15 +55,16 @@ def test_a_renderer_subclass_changes_only_what_it_overrides(monkeypatch):
     serial = replace(backends.C_OPENMP, name="c-serial", renderer=SerialC)
     monkeypatch.setitem(backends.BACKENDS, "c-serial", serial)
     host = target("host")
-    openmp = generate(plan, host)
+    pooled = generate(plan, host)
     plain = generate(plan, replace(host, backend="c-serial"))
-    assert any("#pragma omp parallel for" in k.source for k in openmp)
-    for a, b in zip(openmp, plain):
-        assert [line for line in a.source.splitlines() if "#pragma omp" not in line] \
-            == b.source.splitlines()
+    assert any("kiln_parallel_for(" in k.source for k in pooled)
+    for k in plain:
+        assert "#pragma omp" not in k.source and "kiln_parallel_for(" not in k.source
+        assert "pthread" not in k.source  # the pool comes only with a parallel loop
     inputs = {"x": np.random.default_rng(1).standard_normal(SPEC["x"][0]).astype(np.float32)}
-    values = run_kernels(plan, plain, dict(zip(graph.inputs, inputs.values())))
-    assert_matches([values[t] for t in graph.outputs], reference(m, inputs))
+    for kernels in (pooled, plain):
+        values = run_kernels(plan, kernels, dict(zip(graph.inputs, inputs.values())))
+        assert_matches([values[t] for t in graph.outputs], reference(m, inputs))
 
 
 def test_values_are_named_once_at_the_outermost_loop_where_they_are_invariant():

@@ -366,7 +366,7 @@ def test_one_row_times_a_few_megabytes_of_weights_runs_on_one_thread(k, n, threa
     m = model([helper.make_node("MatMul", ["a", "w"], ["y"])], spec, ["y"], {"w": w})
     kernels = run_with(m, spec, Schedule())
     assert forms(kernels) == {"packed"}
-    assert any("omp parallel" in k.source for k in kernels) == (threads == 2)
+    assert any("kiln_parallel_for(" in k.source for k in kernels) == (threads == 2)
 
 
 def test_one_row_with_a_prologue_times_weights_packs_its_row():

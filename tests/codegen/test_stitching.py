@@ -16,6 +16,7 @@ from kiln.target import host_target
 from tests.codegen.harness import (
     assert_matches,
     model,
+    parallel_loops,
     plan_for,
     random_inputs,
     reference,
@@ -42,10 +43,9 @@ def test_stitched_stages_share_static_blocks_and_scratch():
     assert len(plan.blocks) == 1
     blocks = plan.schedules[plan.blocks[0].id]["stitch_blocks"]
     kernel = generate(plan, host_target())[0]
-    pragmas = [line for line in kernel.source.splitlines() if "omp parallel" in line]
+    loops = parallel_loops(kernel.source)
     rows = 8 * 64  # every stage runs over 512 rows (of the last or the middle axis)
-    assert len(pragmas) == 5
-    assert all(re.search(rf"schedule\(static, {rows // blocks}\)", p) for p in pragmas), pragmas
+    assert loops == [(rows, rows // blocks, "CYCLIC")] * 5
     # Four 128 KiB intermediates, at most two alive at once: half of them in scratch.
     assert kernel.scratch_bytes == 2 * 8 * 64 * 64 * 4
     inputs = random_inputs(SPEC)
@@ -56,8 +56,8 @@ def test_without_stitch_blocks_stages_keep_their_dynamic_chunks():
     graph = frontend.build(_alternating_softmaxes(), {}, "test")
     plan = plan_for(graph, "fusionstitching")
     kernel = generate(plan, host_target(), block_schedules={plan.blocks[0].id: {"stitch_blocks": 0}})[0]
-    pragmas = [line for line in kernel.source.splitlines() if "omp parallel" in line]
-    assert pragmas and all("schedule(dynamic" in p for p in pragmas)
+    loops = parallel_loops(kernel.source)
+    assert loops and all(mode == "DYNAMIC" for _, _, mode in loops), loops
 
 
 # --- Column schedules ----------------------------------------------------------------------
@@ -113,11 +113,10 @@ def test_column_schedule_runs_rows_inside_contiguous_column_chunks():
     source = "\n".join(k.source for k in kernels)
     assert all(k.schedule["stitch_type"] == "column" for k in kernels)
     # Every stage: a parallel loop over the 3 chunks, one each, dealt statically.
-    chunk_loops = re.findall(r"#pragma omp parallel for schedule\(static, 1\)\n\s*for \(int64_t "
-                             r"(k\d+) = 0; \1 < 3;", source)
-    assert len(chunk_loops) == source.count("#pragma omp parallel")
+    loops = parallel_loops(source)
+    assert loops and set(loops) == {(3, 1, "CYCLIC")}, loops
     # The column loop is the vectorised inner loop, over a range that starts at the chunk's.
     assert re.search(r"#pragma omp simd\n\s*for \(int64_t c\d+ = \(k\d+ \* 100\);", source)
     # No column reduction is left as a strided walk down a column (a loop over the rows reading
     # x[r * 300 + o] with o the parallel index).
-    assert not re.search(r"parallel for.*\n\s*for \(int64_t o\d+", source)
+    assert not re.search(r"for \(int64_t o\d+ = \([^)]*\) \+ kiln_begin", source)

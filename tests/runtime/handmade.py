@@ -20,7 +20,6 @@ def matmul_kernel(symbol: str, block: str, args: tuple[str, str, str], m: int, k
 void {symbol}(void *const *args) {{
     const float *a = args[0], *b = args[1];
     float *c = args[2];
-    #pragma omp parallel for
     for (int i = 0; i < {m}; i++)
         for (int j = 0; j < {n}; j++) {{
             float acc = 0.0f;
@@ -47,7 +46,6 @@ def elementwise_kernel(symbol: str, block: str, inputs: tuple[str, ...], output:
 static {ctype} {symbol}_op({ctype} v) {{ return v; }}
 void {symbol}(void *const *args) {{
     {ctype} *out = args[{len(inputs)}];
-    #pragma omp parallel for
     for (long i = 0; i < {count}; i++) {{
 {loads}
         out[i] = {symbol}_op({expr});

@@ -94,6 +94,7 @@ class CStyleRenderer:
         self.helpers: set[str] = set()
         self.math: set[str] = set()  # Kiln's vectorisable math functions used (kiln.codegen.cmath)
         self.micro_kernels: dict[str, str] = {}  # function name -> definition
+        self.definitions: list[str] = []  # file-scope definitions the kernel needs (in order)
 
     # --- hooks a renderer overrides ---------------------------------------------------------
     def signature(self, symbol: str) -> str:
@@ -131,6 +132,7 @@ class CStyleRenderer:
             head += _guarded(f"KILN_HELPER_{name.upper()}", HELPERS[name])
         for name, text in sorted(self.micro_kernels.items()):
             head += _guarded(f"KILN_HELPER_{name.upper()}", text)
+        head += self.definitions
         return "\n".join(head + [self.signature(kernel.symbol) + " {"] + _indent(body) + ["}", ""])
 
     # --- statements ---------------------------------------------------------------------------
