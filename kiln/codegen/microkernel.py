@@ -44,6 +44,9 @@ FALLBACK_TILE = (16, 4, 8)  # SSE-width vectors: every x86-64 and aarch64 CPU ha
 # or more, 8 ways or more): addresses L1_SET_SPAN apart share a set, L1_WAYS lines of a set fit.
 L1_WAYS = 8
 L1_SET_SPAN = 4096
+# How many steps of the sum ahead a micro-kernel asks for B's rows: a packed panel of weights
+# comes from memory on its first sweep, and the hardware prefetchers stop at each 4 KiB page.
+PREFETCH_STEPS = 24
 # Vector registers a micro-kernel may fill, per vector width in bytes (16: SSE's 16, not NEON's 32).
 VECTOR_REGISTERS = {64: 32, 32: 16, 16: 16}
 
@@ -180,7 +183,8 @@ def vector_extension_source(k: MicroKernel) -> str:
     body = register_tile_body(k, vec, "int64_t", load=load,
                               store=lambda value, p: f"*({vecu} *)({p}) = {value}",
                               zero=f"({vec}){{0}}", pin=_pinned_in_registers(k),
-                              finish=_epilogue_lines(k, vec, load) if k.epilogue else None)
+                              finish=_epilogue_lines(k, vec, load) if k.epilogue else None,
+                              prefetch=lambda p: f"__builtin_prefetch({p})")
     return "\n".join(head + body + ["}"])
 
 
@@ -215,6 +219,7 @@ def pixel_rows_source(k: MicroKernel) -> str:
     lines += ["  for (int64_t k = 0; k < kc; ++k) {", "    const int64_t o = rows[k];"]
     lines += [f"    {'' if pin else 'const '}{vec} b{v} = {load(f'b + k * {k.nr} + {v * lanes}')};"
               for v in range(vectors)]
+    lines += _prefetch_lines(k, lambda p: f"__builtin_prefetch({p})", str(k.nr))
     if pin:
         lines += pin([f"b{v}" for v in range(vectors)])
     for r in range(k.mr):
@@ -270,13 +275,15 @@ def _pinned_in_registers(k: MicroKernel) -> Callable[[list[str]], list[str]] | N
 def register_tile_body(k: MicroKernel, vec: str, index: str, load: Callable[[str], str],
                        store: Callable[[str, str], str], zero: str,
                        pin: Callable[[list[str]], list[str]] | None = None,
-                       finish: list[str] | None = None) -> list[str]:
+                       finish: list[str] | None = None,
+                       prefetch: Callable[[str], str] | None = None) -> list[str]:
     """The body of a micro-kernel function over (kc, a, b, ldb, c, ldc, accumulate): `mr` ×
     `nr / lanes` accumulators of the vector type `vec`, loaded (`load(pointer)`) or `zero`, updated
     `kc` times, stored (`store(value, pointer)`). Every backend's micro-kernel shares it; each
     spells its vector type and memory accesses, and `pin` (lines that keep the step's B vectors in
     registers), if it has one; `finish`: lines run before the store when the call's `finish` is
-    set (the kernel's `TileEpilogue` over the accumulators)."""
+    set (the kernel's `TileEpilogue` over the accumulators); `prefetch(pointer)`, if given, a
+    statement that asks for the cache line at `pointer` ahead of its use (`PREFETCH_STEPS`)."""
     lanes, vectors = k.lanes, k.nr // k.lanes
     acc = [[f"c{r}_{v}" for v in range(vectors)] for r in range(k.mr)]
     lines = [f"  {vec} {acc[r][v]} = accumulate ? {load(f'c + {r} * ldc + {v * lanes}')} : {zero};"
@@ -286,6 +293,8 @@ def register_tile_body(k: MicroKernel, vec: str, index: str, load: Callable[[str
     const = "" if pin else "const "
     lines += [f"    {const}{vec} b{v} = {load(f'b + {row} + {v * lanes}')};"
               for v in range(vectors)]
+    if prefetch:
+        lines += _prefetch_lines(k, prefetch, "ldb")
     if pin:
         lines += pin([f"b{v}" for v in range(vectors)])
     for r in range(k.mr):
@@ -298,6 +307,20 @@ def register_tile_body(k: MicroKernel, vec: str, index: str, load: Callable[[str
         lines += ["  if (finish) {", *finish, "  }"]
     lines += ["  " + store(acc[r][v], f"c + {r} * ldc + {v * lanes}") + ";"
               for r in range(k.mr) for v in range(vectors)]
+    return lines
+
+
+def _prefetch_lines(k: MicroKernel, prefetch: Callable[[str], str], ldb: str) -> list[str]:
+    """Requests, `PREFETCH_STEPS` steps ahead, for the streams a step reads in order: B's row (a
+    packed panel `ldb` apart; not an indirect kernel's, whose rows jump) and a packed A panel's
+    `mr` values (a convolution's weights)."""
+    line_elements = 64 // (4 if k.dtype == "float32" else 8)
+    lines = []
+    if not k.indirect:
+        lines += [f"    {prefetch(f'b + (k + {PREFETCH_STEPS}) * {ldb} + {e}')};"
+                  for e in range(0, k.nr, line_elements)]
+    if not k.lda and not k.pixel_rows:
+        lines.append(f"    {prefetch(f'a + (k + {PREFETCH_STEPS}) * {k.mr}')};")
     return lines
 
 
