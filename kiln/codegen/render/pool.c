@@ -20,6 +20,7 @@
 #include <limits.h>
 #include <linux/futex.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -70,6 +71,14 @@ static inline void kiln_pool_relax(void) {
 #elif defined(__aarch64__)
     __asm__ __volatile__("yield");
 #endif
+}
+
+/* A wait on other threads: pause, and every KILN_POOL_YIELD_SPINS pauses give the CPU away, in
+ * case the thread waited for is descheduled on this very CPU (a loaded machine). */
+#define KILN_POOL_YIELD_SPINS 4096
+static inline void kiln_pool_wait_step(unsigned *spins) {
+    kiln_pool_relax();
+    if (++*spins % KILN_POOL_YIELD_SPINS == 0) sched_yield();
 }
 
 static inline long kiln_pool_now_ns(void) {
@@ -227,6 +236,7 @@ static void kiln_pool_start(kiln_pool *p, int threads) {
 KILN_POOL_API void kiln_parallel_for(kiln_pool_task fn, const void *context, int64_t total,
                                      int64_t chunk, int mode) {
     kiln_pool *p = &kiln_pool_state;
+    unsigned spins = 0;
     int threads, t;
     if (total <= 0) return;
     threads = kiln_pool_threads();
@@ -238,7 +248,7 @@ KILN_POOL_API void kiln_parallel_for(kiln_pool_task fn, const void *context, int
     kiln_pool_start(p, threads);
     if (p->workers + 1 < threads) threads = p->workers + 1;
     atomic_fetch_add(&p->gen, 1u); /* odd: a job is being written */
-    while (atomic_load(&p->active) != 0) kiln_pool_relax();
+    while (atomic_load(&p->active) != 0) kiln_pool_wait_step(&spins);
     if (chunk < 1) chunk = 1;
     p->fn = fn;
     p->context = context;
@@ -259,7 +269,8 @@ KILN_POOL_API void kiln_parallel_for(kiln_pool_task fn, const void *context, int
     atomic_fetch_add(&p->gen, 1u); /* even: the job is ready */
     if (atomic_load(&p->sleepers) > 0) kiln_pool_futex(&p->gen, FUTEX_WAKE_PRIVATE, INT_MAX);
     kiln_pool_work(p, 0);
-    while (atomic_load_explicit(&p->done, memory_order_acquire) < p->chunks) kiln_pool_relax();
+    while (atomic_load_explicit(&p->done, memory_order_acquire) < p->chunks)
+        kiln_pool_wait_step(&spins);
     atomic_store_explicit(&p->busy, 0, memory_order_release);
 }
 
