@@ -29,6 +29,13 @@ def idle_share(tasks: int, threads: int) -> float:
     return 1 - tasks / (threads * -(-tasks // threads))
 
 
+# The most threads a split is balanced for: each halving for balance re-reads a block of the
+# operand it cuts across (a transformer's weights, cold), which costs more on the 2–4 core
+# machines Kiln runs on than an 8-thread tail saves (2-core AVX-512 Xeon, interleaved in-model
+# A/B, DistilBERT: 0.95× with 12 tasks of 128 × 3072 × 768 instead of 24, balanced for 8).
+BALANCE_THREADS = 4
+
+
 def balanced(tasks: int, max_threads: int) -> bool:
     """Whether `tasks` equal tasks split evenly (at most `IDLE_SHARE` idle) over 2, 4, … up to
     `max_threads` threads."""
@@ -44,7 +51,7 @@ def blocking(m: int, n: int, k: int, batch: int, uk: MicroKernel, mc: int, nc: i
              kc: int, min_tasks: int = 8, balance: bool = False) -> Blocking:
     """Cache blocks of whole micro-tiles, split evenly (no thin leftover block), and enough
     parallel tasks (blocks × batch) to keep `min_tasks` threads' worth of work queued; with
-    `balance`, also as many as split evenly over 2, 4, … `min_tasks` threads (on a 2-core Zen 3,
+    `balance`, also as many as split evenly over 2 and `BALANCE_THREADS` threads (on a 2-core Zen 3,
     CPU-time medians of interleaved runs, products of 197 × 768 by 768 and of 257 × 768 by 768
     took 0.97× and 0.96× the time in 36 tasks as in 9, one of 197 × 3072 by 768 0.95×). Each
     block along N reads all of A and each block along M all of B, so every halving goes to the
@@ -61,7 +68,7 @@ def blocking(m: int, n: int, k: int, batch: int, uk: MicroKernel, mc: int, nc: i
     mc, nc = even(m, mc, uk.mr), even(n, nc, uk.nr)
 
     def split_further(tasks: int) -> bool:
-        return tasks < min_tasks or (balance and not balanced(tasks, min_tasks))
+        return tasks < min_tasks or (balance and not balanced(tasks, BALANCE_THREADS))
 
     while split_further(batch * -(-m // mc) * -(-n // nc)) and (mc > uk.mr or nc > uk.nr):
         more_rows = -(-m // halved(mc, uk.mr)) - -(-m // mc) if mc > uk.mr else math.inf
