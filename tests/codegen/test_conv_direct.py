@@ -269,9 +269,10 @@ def test_pointwise_conv_whose_input_every_task_would_copy_runs_with_pixels_as_ro
 
 @st.composite
 def winograd_cases(draw):
-    """3×3 stride-1 convs with enough 2×2 output tiles for Winograd: odd and even sizes, pads
-    of 0–2 on each side, batches."""
-    cin, cout = draw(st.integers(1, 9)), draw(st.integers(16, 28))
+    """3×3 stride-1 convs with enough 2×2 output tiles and input channels for Winograd (on
+    AVX-512, MIN_CHANNELS_BY_VECTOR_BYTES): odd and even sizes, pads of 0–2 on each side,
+    batches."""
+    cin, cout = draw(st.integers(128, 137)), draw(st.integers(16, 28))
     pads = [draw(st.integers(0, 2)) for _ in range(4)]
     spatial = [draw(st.integers(17, 24)) for _ in range(2)]  # ≥ 64 tiles: two panels of 32
     attrs = {"kernel_shape": [3, 3], "pads": pads}
@@ -290,17 +291,30 @@ AVX512 = Target("x86_64", "x86_64", ("avx512f", "avx2", "fma"), "gcc", ("-mavx51
 
 
 def test_winograd_needs_two_panels_of_tiles_on_avx512():
-    """A 3 × 3 conv onto 14 × 14 (49 tiles of 2 × 2): Winograd on AVX2 (panels of 16 tiles), the
-    pixel-rows kernel on AVX-512 (panels of 32: two needed); onto 16 × 16 (64) Winograd on both."""
+    """A 3 × 3 conv of 128 channels onto 14 × 14 (49 tiles of 2 × 2): Winograd on AVX2 (panels of
+    16 tiles), the pixel-rows kernel on AVX-512 (panels of 32: two needed); onto 16 × 16 (64)
+    Winograd on both."""
     rng = np.random.default_rng(8)
     for size, avx512_form in ((14, "direct, pixels as rows"), (16, "Winograd")):
-        spec = {"x": ((1, 64, size, size), "float32")}
-        inits = {"w": rng.standard_normal((64, 64, 3, 3)).astype(np.float32)}
+        spec = {"x": ((1, 128, size, size), "float32")}
+        inits = {"w": rng.standard_normal((64, 128, 3, 3)).astype(np.float32)}
         onnx_model = model([helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[3, 3],
                                              pads=[1, 1, 1, 1])], spec, ["y"], inits)
         assert "Winograd" in _forms(onnx_model, target("x86_64"))
         forms = _forms(onnx_model, AVX512)
         assert avx512_form in forms and (size == 16 or "Winograd" not in forms)
+
+
+def test_winograd_needs_128_input_channels_on_avx512():
+    """64 channels onto 56 × 56 (784 tiles): Winograd on AVX2, a direct kernel on AVX-512, where
+    the transforms of so few channels cost more than the products Winograd saves."""
+    spec = {"x": ((1, 64, 56, 56), "float32")}
+    inits = {"w": np.random.default_rng(8).standard_normal((64, 64, 3, 3)).astype(np.float32)}
+    onnx_model = model([helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[3, 3],
+                                         pads=[1, 1, 1, 1])], spec, ["y"], inits)
+    assert "Winograd" in _forms(onnx_model, target("x86_64"))
+    forms = _forms(onnx_model, AVX512)
+    assert "Winograd" not in forms and "direct" in forms
 
 
 def test_strided_ungrouped_conv_by_pixel_rows_on_avx512():

@@ -176,7 +176,7 @@ def conv_stage(ctx: StageCtx, weight: int, operands: Callable[[str, bool], ConvO
     ops = operands(source, bool(extra))
     if w_shape[0] // group >= ctx.schedule.conv_gemm_min_cout:
         in_shape = ctx.graph.tensors[ops.x].shape
-        if tile := winograd_tile_size(ctx, geometry, group, ops.acc_dtype):
+        if tile := winograd_tile_size(ctx, geometry, group, ops.acc_dtype, in_shape[1]):
             winograd_conv(ctx, geometry, w_shape, ops, in_shape, tile)
         elif direct_applies(ctx, geometry, ops.acc_dtype):
             _direct_gemm(ctx, geometry, w_shape, ops, group, in_shape)

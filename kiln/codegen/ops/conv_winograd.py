@@ -72,9 +72,16 @@ MIN_TILE_PANELS = 1
 # 256) 1.25-1.5× faster by Winograd. The same chains built for AVX2 ran faster by Winograd on
 # that host at 49 tiles (0.82×) and 16 (7 × 7, 512: 0.87×).
 MIN_TILE_PANELS_BY_VECTOR_BYTES = {64: 2}
+# The transforms' memory traffic grows with the channels and the tiles, the GEMMs' products with
+# the channels squared: with few input channels (the GEMMs' sum) the transforms dominate. On a
+# 2-core AVX-512 Xeon, wall time of chains of four 3 × 3 convs with their own weights: 64
+# channels at 56 × 56 (784 tiles) ran 0.78× as long by the direct kernel as by Winograd; 128 at
+# 28 × 28 1.19× as long (Winograd wins).
+MIN_CHANNELS_BY_VECTOR_BYTES = {64: 128}
 
 
-def winograd_tile_size(ctx: StageCtx, w: Window, group: int, acc_dtype: str) -> int:
+def winograd_tile_size(ctx: StageCtx, w: Window, group: int, acc_dtype: str,
+                       in_channels: int) -> int:
     """The output tile size m to run this conv with (0: not a Winograd conv). F(2×2, 3×3): its
     transforms are exact in float arithmetic up to halves, and the GEMMs have N = tiles."""
     if (len(w.kernel) != 2 or tuple(w.kernel) != (3, 3) or any(s != 1 for s in w.strides)
@@ -87,6 +94,8 @@ def winograd_tile_size(ctx: StageCtx, w: Window, group: int, acc_dtype: str) -> 
     if not s.conv_winograd or s.vector_bytes == 0 or ctx.out().shape[1] < s.gemm_min_m:
         return 0
     uk = micro_kernel(ctx, acc_dtype)
+    if in_channels < MIN_CHANNELS_BY_VECTOR_BYTES.get(uk.vector_bytes, 0):
+        return 0
     panels = MIN_TILE_PANELS_BY_VECTOR_BYTES.get(uk.vector_bytes, MIN_TILE_PANELS)
     return m if tiles >= panels * uk.nr else 0
 
