@@ -48,11 +48,12 @@ class Schedule:
     gemm_min_n: int = 8  # narrower products (a matrix-vector one) run as dot products
     gemm_mr: int = 0
     gemm_nr: int = 0
-    # 144 rows: a transformer's 128–197 activation rows in one or two blocks, so each block of
-    # weights (cold in a model: megabytes since their last use) is read once or twice, not two or
-    # three times as with 96 (2-core Xeon with AVX-512, interleaved in-model A/B against 96:
-    # DistilBERT 0.94×, ResNet-50 0.95×, ViT-B and Swin-T 0.97×, ConvNeXt-T 1.00×)
-    gemm_mc: int = 144
+    # 216 rows: a transformer's 128–197 activation rows in one block, so each block of weights
+    # (cold in a model: megabytes since their last use) is read once (2-core AVX-512 Xeon,
+    # interleaved in-model A/B: 144 against 96, DistilBERT 0.94×, ResNet-50 0.95×, ViT-B and
+    # Swin-T 0.97×, ConvNeXt-T 1.00×; 216 against 144, ViT-B 0.97×, Swin-T 0.99×, MobileNetV2,
+    # EfficientNet-B0 and ConvNeXt-T 0.99–1.00×)
+    gemm_mc: int = 216
     gemm_nc: int = 256
     gemm_kc: int = 256
     # The packed GEMM's slice of the sum grows past `gemm_kc` (an even split of K) while a task's

@@ -60,7 +60,7 @@ class Gene:
 def genes(target: Target) -> tuple[Gene, ...]:
     return (
         Gene("micro_kernel", ({}, *micro_kernel_shapes(target))),
-        Gene("gemm_mc", ({}, *({"gemm_mc": v} for v in (48, 72, 96, 192, 288)))),
+        Gene("gemm_mc", ({}, *({"gemm_mc": v} for v in (48, 72, 96, 144, 288)))),
         Gene("gemm_nc", ({}, *({"gemm_nc": v} for v in (128, 192, 384, 512, 1024)))),
         Gene("gemm_kc", ({}, *({"gemm_kc": v} for v in (128, 192, 384, 512, 768)))),
         Gene("gemm_l2_bytes", ({}, *({"gemm_l2_bytes": v} for v in (0, 1 << 19, 1 << 21)))),
