@@ -8,8 +8,8 @@ Kernel ABI, shared by the code generator and the runtime that calls the kernels:
 The args are the block's inputs the kernel reads (activations, weights, and derived constants it
 asked for), then the block's outputs it writes; when `scratch_bytes` > 0, one more pointer to that
 many bytes of 64-byte-aligned scratch memory follows (the runtime owns it and may reuse it between
-kernels). Kernels may use OpenMP; the runtime sets the thread count. A kernel never allocates,
-never keeps state between calls and never writes its inputs.
+kernels). Kernels run their parallel loops on Kiln's thread pool; the runtime sets the thread
+count. A kernel never allocates, never keeps state between calls and never writes its inputs.
 """
 from __future__ import annotations
 

@@ -2,9 +2,10 @@
 
 The loop IR says *what* runs in parallel (`ir.Loop.parallel` with a grain) and where a GEMM
 micro-kernel goes; a backend says *how*: its renderer prints the IR in its language (and maps
-parallel loops: OpenMP pragmas, work-items, thread blocks), brings its GEMM micro-kernels, and
-names its toolchain (compiler flags, source suffix) and the runner the artifact ships. A `Target`
-(`kiln.target`) names its backend; nothing above code generation knows which one runs.
+parallel loops: calls into the C thread pool, work-items, thread blocks), brings its GEMM
+micro-kernels, and names its toolchain (compiler flags, source suffix) and the runner the artifact
+ships. A `Target` (`kiln.target`) names its backend; nothing above code generation knows which one
+runs.
 """
 from __future__ import annotations
 

@@ -16,8 +16,10 @@ bandwidth W (bytes/s, streaming add), and L2 size L2:
 * bytes_in: every tensor read from outside the block (activations and constants), once.
   bytes_out: every tensor the block produces that is a model output or read after the block, once.
   Intermediates stay in registers/cache and cost nothing: this is the saving that fusion buys.
-* LAUNCH = 2 µs: the fixed cost of one kernel — entering and leaving an OpenMP parallel region
-  (fork/join barrier of a few threads) plus the call. Fusing two kernels saves one LAUNCH.
+* LAUNCH = 2 µs: the fixed cost of one kernel — the call and its parallel loops' hand-offs to
+  the threads, with the caches the next kernel finds (calibrated when each loop was an OpenMP
+  parallel region, a fork/join of a few µs; Kiln's pool hands a loop off in about 0.2 µs).
+  Fusing two kernels saves one LAUNCH.
 
 Two charges model what makes yellow fusions (DNNFusion §3.2) unprofitable:
 

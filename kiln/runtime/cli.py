@@ -28,13 +28,17 @@ RTOL = 1e-3  # verify: max|diff| <= RTOL * max|ref| + ATOL
 ATOL = 1e-5
 
 
+THREADS_HELP = ("threads (0: $KILN_NUM_THREADS, else $OMP_NUM_THREADS, else the CPUs this "
+                "process may run on)")
+
+
 def add_commands(commands) -> None:
     run = commands.add_parser("run", help="run a compiled artifact on inputs from an .npz file")
     run.add_argument("artifact", help="a model.kiln file")
     run.add_argument("--inputs", required=True, metavar="IN.npz", help="arrays by input name")
     run.add_argument("--outputs", required=True, metavar="OUT.npz", help="write outputs here")
     run.add_argument("--threads", type=_at_least(0), metavar="T",
-                     help="threads (0: $KILN_NUM_THREADS, else OpenMP's default)")
+                     help=THREADS_HELP)
     run.set_defaults(handler=_run)
 
     verify = commands.add_parser("verify", help="compare an artifact with onnxruntime")
@@ -45,7 +49,7 @@ def add_commands(commands) -> None:
                         help="input shapes the artifact was compiled with (default: its own)")
     verify.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     verify.add_argument("--threads", type=_at_least(0), metavar="T",
-                        help="threads (0: $KILN_NUM_THREADS, else OpenMP's default)")
+                        help=THREADS_HELP)
     verify.set_defaults(handler=_verify)
 
     bench = commands.add_parser("bench", help="measure an artifact's latency with its runner")
@@ -54,7 +58,7 @@ def add_commands(commands) -> None:
     bench.add_argument("--warmup", type=_at_least(0), default=3, metavar="W",
                        help="untimed runs first")
     bench.add_argument("--threads", type=_at_least(0), metavar="T",
-                       help="threads (0: $KILN_NUM_THREADS, else OpenMP's default)")
+                       help=THREADS_HELP)
     bench.add_argument("--inputs", metavar="IN.npz", help="inputs (default: random ones)")
     bench.add_argument("--json", action="store_true", help="print the runner's JSON")
     bench.add_argument("--kernels", type=_at_least(0), default=0, metavar="K",

@@ -36,10 +36,11 @@ extern const kiln_kernel_desc kiln_model_kernels[];
 extern const size_t kiln_model_weights_bytes;
 
 /* NULL on failure, with a message in `error` (when error_size > 0). The thread count starts
- * at $KILN_NUM_THREADS when set, else OpenMP's default. */
+ * at $KILN_NUM_THREADS when set, else 0 (the thread pool's default: $OMP_NUM_THREADS, else
+ * the CPUs this process may run on). */
 kiln_model *kiln_model_create(const char *weights_path, char *error, size_t error_size);
 
-/* Threads each run uses (0: OpenMP's default). */
+/* Threads each run uses (0: the thread pool's default). */
 void kiln_model_set_threads(kiln_model *model, int threads);
 int kiln_model_threads(const kiln_model *model);
 

@@ -59,7 +59,8 @@ class CompiledModel:
         return self._lib.kiln_model_threads(self._handle)
 
     def set_threads(self, threads: int) -> None:
-        """Threads per call; 0 restores $KILN_NUM_THREADS or OpenMP's default."""
+        """Threads per call; 0 restores $KILN_NUM_THREADS, else $OMP_NUM_THREADS, else the
+        CPUs this process may run on."""
         if threads < 0:
             raise KilnError(f"threads must be >= 0, got {threads}")
         self._lib.kiln_model_set_threads(self._handle, threads)

@@ -8,7 +8,7 @@ block; measuring is not). Which genes are offered depends on the block's stages:
 
 * contractions and implicit-GEMM convolutions: micro-kernel shape × vector width (within the
   register file), cache blocks mc / nc / kc and the cache the slice of the sum may grow
-  into (`gemm_l2_bytes`), the OpenMP schedule of the task loop, and the
+  into (`gemm_l2_bytes`), the thread pool's schedule of the task loop, and the
   output tile of the unpacked (`ikj`) path;
 * direct convolutions (depthwise): output-channel block and row tile, and the algorithm switch
   (implicit GEMM or direct loops);
