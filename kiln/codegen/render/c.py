@@ -127,8 +127,9 @@ class CRenderer(CStyleRenderer):
         if not self.outlined:
             self.definitions.append(pool_source())
         self.outlined += 1
-        self.definitions.append(_outlined_function(function, nest, bounds, captures, body))
         extents = [_extent(level, start, stop) for level, (start, stop) in zip(nest, bounds)]
+        self.definitions.append(_outlined_function(function, nest, bounds, extents, captures,
+                                                   body))
         mode, chunk = _pool_schedule(loop)
         members = ", ".join(f".{name} = {name}" for name in captures) or "0"
         return ["{", f"  const {function}_ctx kiln_c = {{{members}}};",
@@ -161,7 +162,7 @@ def _extent(loop: ir.Loop, start: str, stop: str) -> str:
 
 
 def _outlined_function(function: str, nest: list[ir.Loop], bounds: list[tuple[str, str]],
-                       captures: dict[str, Capture], body: list[str]) -> str:
+                       extents: list[str], captures: dict[str, Capture], body: list[str]) -> str:
     """A parallel nest's body as a function of a range [kiln_begin, kiln_end) of its collapsed
     iterations (the last loop varies fastest), reading the captured names from its context."""
     members = [c.member for c in captures.values()] or ["char kiln_unused;"]
@@ -179,7 +180,6 @@ def _outlined_function(function: str, nest: list[ir.Loop], bounds: list[tuple[st
         lines.append(f"  for (int64_t {v} = ({start}) + kiln_begin; {v} < ({start}) + kiln_end; "
                      f"++{v}) {{")
     else:
-        extents = [_extent(level, start, stop) for level, (start, stop) in zip(nest, bounds)]
         lines += [f"  const int64_t kiln_e{i} = {e};" for i, e in enumerate(extents)]
         lines += ["  for (int64_t kiln_i = kiln_begin; kiln_i < kiln_end; ++kiln_i) {",
                   "    int64_t kiln_rest = kiln_i;"]
