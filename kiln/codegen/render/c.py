@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import cache
 from importlib import resources
 
 from kiln.codegen import ir
@@ -24,6 +25,7 @@ POOL_MODES = {"dynamic": "KILN_POOL_DYNAMIC", "even": "KILN_POOL_EVEN",
               "cyclic": "KILN_POOL_CYCLIC"}
 
 
+@cache
 def pool_source() -> str:
     """Kiln's thread pool (C; weak definitions behind a guard, so every kernel can carry it)."""
     return resources.files("kiln.codegen.render").joinpath("pool.c").read_text()
