@@ -68,7 +68,8 @@ class TileEpilogue:
     `value`, a tree of `EpilogueNode`s over the sum and `operands`, each a pointer the kernel
     takes (`e0`, `e1`, …) at the tile's first element with its (row stride, column stride):
     (s, 0) one value per row (a bias per output channel), broadcast along it; (0, 1) one per
-    column, loaded as vectors; (0, 0) one value for the tile."""
+    column, loaded as vectors; (s, 1) one per element (a residual), rows s apart, loaded as
+    vectors; (0, 0) one value for the tile."""
 
     value: EpilogueNode
     operands: tuple[tuple[int, int], ...]
@@ -356,7 +357,7 @@ def _epilogue_node(k: MicroKernel, vec: str, load: Callable[[str], str], node: E
     elif kind == "operand":
         row_stride, col_stride = k.epilogue.operands[node[1]]
         pointer = f"e{node[1]}"
-        text = (load(f"{pointer} + {v * k.lanes}") if col_stride
+        text = (load(f"{pointer} + {r * row_stride + v * k.lanes}") if col_stride
                 else f"(({vec}){{0}} + {pointer}[{r * row_stride}])")
     else:
         args = [_epilogue_node(k, vec, load, a, at, names, lines) for a in node[1:]]

@@ -7,6 +7,8 @@ import re
 import shutil
 import subprocess
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -276,7 +278,8 @@ def test_whole_tiles_of_a_plain_product_are_stored_by_the_micro_kernel(tile):
 def test_a_fused_epilogue_runs_once_per_block(batch, m, k, n, tile):
     """A fused epilogue (a bias, a residual added, a ReLU) runs over each finished cache block
     along its rows, not per micro-tile: over ragged blocks, several slices of the sum and a
-    batch folded into the rows."""
+    batch folded into the rows. (A product of one slice into an output larger than L2 runs row
+    panel by row panel, its residual read per tile in registers: the test below.)"""
     spec = {"a": ((batch, m, k), "float32"), "r": ((batch, m, n), "float32")}
     rng = np.random.default_rng(batch * 1000 + m * 41 + k * 7 + n)
     w, bias = (rng.standard_normal((k, n)).astype(np.float32),
@@ -290,7 +293,34 @@ def test_a_fused_epilogue_runs_once_per_block(batch, m, k, n, tile):
                         gemm_nc=2 * nr, gemm_kc=5, gemm_l2_bytes=0)
     kernels = run_with(model(nodes, spec, ["y"], {"w": w, "bias": bias}), spec, schedule)
     stage = next(s for k in kernels for s in k.schedule["stages"] if s.get("form") == "packed")
-    assert stage.get("epilogue") == "per block" and "whole_tiles" not in stage
+    if stage.get("order") == "row panels outermost":
+        assert stage.get("epilogue") == "in registers" and stage["kc"] >= k
+    else:
+        assert stage.get("epilogue") == "per block" and "whole_tiles" not in stage
+
+
+@pytest.mark.parametrize("tile", TILES, ids=lambda t: f"{t[1]}x{t[2]}v{t[0]}")
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_short_sum_into_a_large_output_streams_row_panels(tile, batch):
+    """A 1 × 1 conv of few input channels onto more pixels than L2 holds (MobileNetV2's 16 to
+    96 channels at 112 × 112, ResNet's 64 to 256 at 56 × 56) runs each row panel over a long run
+    of columns, its whole tiles' bias, residual and ReLU applied in registers (the residual read
+    per tile, rows apart), its ragged rows and columns through a one-tile local array."""
+    _, mr, nr = tile
+    cin, cout, h, w = 7, 2 * mr + 3, 9, 2 * nr + 16  # rows of whole vectors: B read in place
+    spec = {"x": ((batch, cin, h, w), "float32"), "r": ((batch, cout, h, w), "float32")}
+    rng = np.random.default_rng(mr * 31 + nr + batch)
+    weights = rng.standard_normal((cout, cin, 1, 1)).astype(np.float32)
+    bias = rng.standard_normal(cout).astype(np.float32)
+    nodes = [helper.make_node("Conv", ["x", "w", "bias"], ["c"]),
+             helper.make_node("Add", ["c", "r"], ["s"]),
+             helper.make_node("Relu", ["s"], ["y"])]
+    schedule = replace(small_blocks(tile), gemm_mc=2 * mr, gemm_nc=nr, gemm_kc=256,
+                       gemm_l2_bytes=1024, conv_gemm_min_cout=1)
+    kernels = run_with(model(nodes, spec, ["y"], {"w": weights, "bias": bias}), spec, schedule)
+    stage = next(s for k in kernels for s in k.schedule["stages"] if s.get("form") == "packed")
+    assert stage.get("order") == "row panels outermost"
+    assert stage.get("epilogue") == "in registers" and stage["kc"] == cin
 
 
 @pytest.mark.parametrize("tile", TILES, ids=lambda t: f"{t[1]}x{t[2]}v{t[0]}")

@@ -31,17 +31,18 @@ class RegisterEpilogue:
 
 
 def register_epilogue(stmts: list[ir.Stmt], total: Expr, axes: tuple[Expr, Expr, Expr],
-                      rows_cross_batches: bool) -> RegisterEpilogue | None:
+                      rows_cross_batches: bool, tile_operands: bool = False) -> RegisterEpilogue | None:
     """`stmts` (the results of `total` at (i, j) of batch `b`, `axes` = (i, j, b)) as one store
     of call-free math, or None. Rows that cross batches (a folded product) admit no operand that
-    moves with the row or the batch."""
+    moves with the row or the batch; `tile_operands` admits one that moves with both (a residual
+    read tile by tile, contiguous along the columns)."""
     *lets, store = stmts if stmts else [None]
     if not isinstance(store, ir.Store) or not all(isinstance(s, ir.Let) for s in lets):
         return None
     if store.value.dtype != total.dtype:
         return None
     values = _inlined({s.local: s.value for s in lets})
-    builder = _Builder(total, axes, rows_cross_batches)
+    builder = _Builder(total, axes, rows_cross_batches, tile_operands)
     try:
         node = builder.node(substitute(store.value, values) if values else store.value)
     except _NotInRegisters:
@@ -66,8 +67,10 @@ def _inlined(values: dict[Expr, Expr]) -> dict[Expr, Expr]:
 
 
 class _Builder:
-    def __init__(self, total: Expr, axes: tuple[Expr, Expr, Expr], rows_cross_batches: bool):
+    def __init__(self, total: Expr, axes: tuple[Expr, Expr, Expr], rows_cross_batches: bool,
+                 tile_operands: bool):
         self.total, self.axes, self.rows_cross_batches = total, axes, rows_cross_batches
+        self.tile_operands = tile_operands
         self.operands: list[tuple[str, Expr, tuple[int, int]]] = []
         self.memo: dict[Expr, EpilogueNode] = {}
 
@@ -100,14 +103,17 @@ class _Builder:
         return [value] * TILE_EPILOGUE_OPS[e.op]
 
     def _operand(self, e: Expr) -> int:
-        """Operand `e`'s number, if it is constant along the tile's rows or its columns."""
+        """Operand `e`'s number, if it is constant along the tile's rows or its columns, or (with
+        `tile_operands`) contiguous along its columns."""
         offset = e.args[0]
         i, j, b = self.axes
         if not {v for v in walk([offset]) if v.op == "var"} <= {i, j, b}:
             raise _NotInRegisters
         row, col = stride_of(e, i), stride_of(e, j)
         batch = stride_of(e, b)
-        if row is None or col is None or batch is None or col not in (0, 1) or (row and col):
+        if row is None or col is None or batch is None or col not in (0, 1):
+            raise _NotInRegisters
+        if row and col and not (self.tile_operands and row > 0):
             raise _NotInRegisters
         if self.rows_cross_batches and (row or batch):
             raise _NotInRegisters
