@@ -15,6 +15,7 @@ from kiln.codegen.gemm.blocking import BALANCE_THREADS, balanced, round_up
 from kiln.codegen.microkernel import VECTOR_REGISTERS, tile_for
 from kiln.codegen.ops.conv_direct import _phase_grid, computed_columns, direct_tile
 from kiln.codegen.ops.conv_window import Window
+from kiln.codegen.schedule import Schedule
 from kiln.target import Target, host_target, target
 from tests.codegen.harness import check_model, model, plan_for, random_inputs
 
@@ -61,6 +62,24 @@ def test_strided_stem_uses_the_direct_kernel():
                                          strides=[2, 2], pads=[3, 3, 3, 3])], spec, ["y"], inits)
     check_model(onnx_model, random_inputs(spec), partitioners=("none",))
     assert "direct GEMM grid 4x" in _forms(onnx_model)
+
+
+def test_a_stem_onto_a_large_output_runs_blocks_of_many_pixels():
+    """A 3 × 3 stride-2 stem of 3 input channels (a sum of 27) onto more output than a quarter
+    of L2 runs blocks of many more pixels than the schedule's, so that its epilogue stores each
+    channel's pixels in long runs; bias and ReLU fused, results matching onnxruntime."""
+    rng = np.random.default_rng(8)
+    spec = {"x": ((1, 3, 258, 254), "float32")}
+    inits = {"w": rng.standard_normal((32, 3, 3, 3)).astype(np.float32),
+             "b": rng.standard_normal(32).astype(np.float32)}
+    onnx_model = model([helper.make_node("Conv", ["x", "w", "b"], ["c"], kernel_shape=[3, 3],
+                                         strides=[2, 2], pads=[1, 1, 1, 1]),
+                        helper.make_node("Relu", ["c"], ["y"])], spec, ["y"], inits)
+    check_model(onnx_model, random_inputs(spec), partitioners=("dnnfusion",))
+    graph = frontend.build(onnx_model, {}, "test")
+    stages = [info for kernel in generate(plan_for(graph, "dnnfusion"), host_target())
+              for info in kernel.schedule["stages"] if info.get("form") == "direct GEMM"]
+    assert stages and stages[0]["nc"] > 2 * Schedule().gemm_nc
 
 
 @st.composite
