@@ -68,13 +68,7 @@ def test_a_stem_onto_a_large_output_runs_blocks_of_many_pixels():
     """A 3 × 3 stride-2 stem of 3 input channels (a sum of 27) onto more output than a quarter
     of L2 runs blocks of many more pixels than the schedule's, so that its epilogue stores each
     channel's pixels in long runs; bias and ReLU fused, results matching onnxruntime."""
-    rng = np.random.default_rng(8)
-    spec = {"x": ((1, 3, 258, 254), "float32")}
-    inits = {"w": rng.standard_normal((32, 3, 3, 3)).astype(np.float32),
-             "b": rng.standard_normal(32).astype(np.float32)}
-    onnx_model = model([helper.make_node("Conv", ["x", "w", "b"], ["c"], kernel_shape=[3, 3],
-                                         strides=[2, 2], pads=[1, 1, 1, 1]),
-                        helper.make_node("Relu", ["c"], ["y"])], spec, ["y"], inits)
+    onnx_model, spec = _strided_3x3_relu((1, 3, 258, 254), 32, seed=8)
     check_model(onnx_model, random_inputs(spec), partitioners=("dnnfusion",))
     graph = frontend.build(onnx_model, {}, "test")
     stages = [info for kernel in generate(plan_for(graph, "dnnfusion"), host_target())
@@ -339,13 +333,7 @@ def test_winograd_needs_128_input_channels_on_avx512():
 def test_strided_ungrouped_conv_by_pixel_rows_on_avx512():
     """An ungrouped 3 × 3 conv of stride 2 onto 10 × 10: the pixel-rows kernel on AVX-512, the
     direct kernel on AVX2; right on this host."""
-    rng = np.random.default_rng(10)
-    spec = {"x": ((1, 48, 20, 20), "float32")}
-    inits = {"w": rng.standard_normal((64, 48, 3, 3)).astype(np.float32),
-             "b": rng.standard_normal(64).astype(np.float32)}
-    onnx_model = model([helper.make_node("Conv", ["x", "w", "b"], ["c"], kernel_shape=[3, 3],
-                                         strides=[2, 2], pads=[1, 1, 1, 1]),
-                        helper.make_node("Relu", ["c"], ["y"])], spec, ["y"], inits)
+    onnx_model, spec = _strided_3x3_relu((1, 48, 20, 20), 64, seed=10)
     assert "pixels as rows" in _forms(onnx_model, AVX512)
     assert "pixels as rows" not in _forms(onnx_model, target("x86_64"))
     check_model(onnx_model, random_inputs(spec))
@@ -530,6 +518,17 @@ def _conv_model(case, fusion: str, seed: int):
     nodes.append(helper.make_node("Conv", [conv_in, "w", "b"], ["c"], **attrs))
     nodes.append(helper.make_node("Relu" if fusion == "relu-out" else "Identity", ["c"], ["y"]))
     return model(nodes, spec, ["y"], inits), random_inputs(spec)
+
+
+def _strided_3x3_relu(x_shape: tuple[int, ...], cout: int, seed: int):
+    """A 3 × 3 conv of stride 2 (pads 1) with a bias, then a ReLU: (model, input spec)."""
+    rng = np.random.default_rng(seed)
+    spec = {"x": (x_shape, "float32")}
+    inits = {"w": rng.standard_normal((cout, x_shape[1], 3, 3)).astype(np.float32),
+             "b": rng.standard_normal(cout).astype(np.float32)}
+    return model([helper.make_node("Conv", ["x", "w", "b"], ["c"], kernel_shape=[3, 3],
+                                   strides=[2, 2], pads=[1, 1, 1, 1]),
+                  helper.make_node("Relu", ["c"], ["y"])], spec, ["y"], inits), spec
 
 
 def _forms(onnx_model, on: Target | None = None) -> str:
