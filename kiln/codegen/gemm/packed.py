@@ -50,6 +50,7 @@ from kiln.codegen.gemm.packing import (
 from kiln.codegen.gemm.group import group_gemm
 from kiln.codegen.gemm.register_epilogue import register_epilogue
 from kiln.codegen.gemm.spec import Contraction, batch_of, results, stride_of, tile_epilogue
+from kiln.codegen.schedule import Schedule
 
 # The most a task copies of B into a local array (a quarter of a 1 MiB L2, as intensive fusion's
 # tiles): larger blocks of a run-time B are copied once by a stage of their own.
@@ -244,22 +245,29 @@ def _cached_slice(k: int, blk: Blocking, itemsize: int, cache_bytes: int) -> int
 STREAM_MAX_K = 128
 
 
+def stores_bound(schedule: Schedule, k: int, output_bytes: int) -> bool:
+    """Whether storing the results bounds a product: a short sum (at most `STREAM_MAX_K`) into
+    an output larger than a quarter of L2 (the other tensors of the model's step take the rest).
+    Such products and direct convs store long runs of each output row (`_streaming`,
+    `kiln.codegen.ops.conv_direct`)."""
+    return k <= STREAM_MAX_K and output_bytes > schedule.gemm_l2_bytes // 4
+
+
 def _streaming(ctx: StageCtx, spec: Contraction, pr: _Product) -> _Product:
     """`pr` with its row panels outermost in each task, each over a long run of columns, where
-    storing the results bounds the product: one pass of a short sum into an output larger than
-    a quarter of L2 (the other tensors of the model's step take the rest), whose micro-kernel
-    stores whole tiles itself. Column panels outermost, each task writes all its block's rows
-    at once, `mc` streams of one tile's width, more than the prefetchers follow, so every store
-    misses; a row panel at a time, `mr` streams run on for the whole block (its B block,
-    `kc` × `nc`, stays in L2 and its A panel in L1). On the AVX-512 Xeon,
-    MobileNetV2's 1 × 1 conv from 16 to 96 channels at 112 × 112 took 0.59× the time in-model
+    storing the results bounds the product (`stores_bound`), in one pass of the sum, and its
+    micro-kernel stores whole tiles itself. Column panels outermost, each task writes all its
+    block's rows at once, `mc` streams of one tile's width, more than the prefetchers follow, so
+    every store misses; a row panel at a time, `mr` streams run on for the whole block (its B
+    block, `kc` × `nc`, stays in L2 and its A panel in L1). On the AVX-512 Xeon, MobileNetV2's
+    1 × 1 conv from 16 to 96 channels at 112 × 112 took 0.59× the time in-model
     (`bench/kernel_ab.py`, 2 threads), from 32 to 16 channels 0.9×; ResNet-50's 64 to 256 at
     56 × 56 with a residual 0.65–0.8×, 128 to 512 at 28 × 28 0.87×; Swin-T's products of
     3136 × 96 rows ran as long either way."""
     s = ctx.schedule
     itemsize = 4 if spec.dtype == "float32" else 8
-    if (pr.blocks[2] > 1 or spec.k > STREAM_MAX_K or pr.b_by_tasks
-            or pr.batches * pr.rows * spec.n * itemsize <= s.gemm_l2_bytes // 4):
+    if (pr.blocks[2] > 1 or pr.b_by_tasks
+            or not stores_bound(s, spec.k, pr.batches * pr.rows * spec.n * itemsize)):
         return pr
     if _output_rows(ctx, spec, None if pr.folded else iconst(0), tile_operands=True) is None:
         return pr
@@ -267,7 +275,7 @@ def _streaming(ctx: StageCtx, spec: Contraction, pr: _Product) -> _Product:
     blk = blocking(pr.rows, spec.n, spec.k, pr.batches, pr.uk, s.gemm_mc, nc, pr.blk.kc,
                    balance=True)
     blocks = (-(-pr.rows // blk.mc), -(-spec.n // blk.nc), 1)
-    return replace(pr, blk=replace(blk, kc=pr.blk.kc), blocks=blocks, streams=True)
+    return replace(pr, blk=blk, blocks=blocks, streams=True)
 
 
 def _packs_across_batch(spec: Contraction) -> bool:

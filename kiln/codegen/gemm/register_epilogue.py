@@ -31,7 +31,8 @@ class RegisterEpilogue:
 
 
 def register_epilogue(stmts: list[ir.Stmt], total: Expr, axes: tuple[Expr, Expr, Expr],
-                      rows_cross_batches: bool, tile_operands: bool = False) -> RegisterEpilogue | None:
+                      rows_cross_batches: bool,
+                      tile_operands: bool = False) -> RegisterEpilogue | None:
     """`stmts` (the results of `total` at (i, j) of batch `b`, `axes` = (i, j, b)) as one store
     of call-free math, or None. Rows that cross batches (a folded product) admit no operand that
     moves with the row or the batch; `tile_operands` admits one that moves with both (a residual

@@ -52,7 +52,7 @@ from kiln.codegen.expr import (
     walk,
 )
 from kiln.codegen.gemm.blocking import Blocking, blocking, round_up
-from kiln.codegen.gemm.packed import STREAM_MAX_K, TASK_COPY_BYTES, micro_kernel
+from kiln.codegen.gemm.packed import TASK_COPY_BYTES, micro_kernel, stores_bound
 from kiln.codegen.gemm.packing import OperandSide, constant_panels, scratch_panels
 from kiln.codegen.gemm.spec import BOperand, Contraction, batch_of
 from kiln.codegen.indexing import Index
@@ -291,14 +291,14 @@ def direct_conv(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: ConvOpe
 
 def _block_columns(ctx: StageCtx, k_total: int, channels: int, output_bytes: int,
                    itemsize: int) -> int:
-    """The pixels per block to start the split from: the schedule's, or for a short sum into an
-    output larger than a quarter of L2 (a stem's 3 × 3 × 3 taps), as many as a block's sums fill
-    a quarter of L2 with (the block's epilogue then stores each channel's pixels in one long
+    """The pixels per block to start the split from: the schedule's, or where storing the
+    results bounds the conv (`stores_bound`: a stem's 3 × 3 × 3 taps), as many as a block's sums
+    fill a quarter of L2 with (the block's epilogue then stores each channel's pixels in one long
     run, not a tile's width per output row: `kiln.codegen.gemm.packed._streaming`). On the
     AVX-512 Xeon, MobileNetV2's stem (3 to 32 channels, stride 2, 224 × 224) took 0.7× the time
     with blocks of 2016 pixels as with 288 (a standalone harness, 2 threads)."""
     s = ctx.schedule
-    if k_total > STREAM_MAX_K or output_bytes <= s.gemm_l2_bytes // 4:
+    if not stores_bound(s, k_total, output_bytes):
         return s.gemm_nc
     return max(s.gemm_nc, s.gemm_l2_bytes // 4 // (min(channels, s.gemm_mc) * itemsize))
 
