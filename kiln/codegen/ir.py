@@ -147,8 +147,26 @@ class MicroKernelCall:
                 *(name for name, _ in self.operands))
 
 
+@dataclass(eq=False)
+class Transpose:
+    """dst[dst_offset + c·ldd + r] = src[src_offset + r·lds + c] for r < rows, c < cols: a block
+    of one local array copied transposed into another, through vector registers
+    (`kiln.codegen.microkernel.transpose_source`, vectors of `vector_bytes`)."""
+
+    dtype: str
+    src: str
+    src_offset: Expr
+    lds: int
+    dst: str
+    dst_offset: Expr
+    ldd: int
+    rows: Expr
+    cols: Expr
+    vector_bytes: int
+
+
 Stmt = (Loop | Let | DeclAcc | Assign | DeclArray | ArrayStore | Store | If | MicroKernelCall
-        | Barrier)
+        | Transpose | Barrier)
 
 
 @dataclass(eq=False)
@@ -214,6 +232,8 @@ def stmt_exprs(stmt: Stmt) -> list[Expr]:
         exprs += [offset for _, offset in stmt.operands]
         exprs += [stmt.finish] if stmt.finish is not None else []
         return exprs + ([stmt.rows_offset] if stmt.rows_offset is not None else [])
+    if isinstance(stmt, Transpose):
+        return [stmt.src_offset, stmt.dst_offset, stmt.rows, stmt.cols]
     return []
 
 
@@ -243,6 +263,9 @@ def map_exprs(body: list[Stmt], fn) -> None:
                 stmt.finish = fn(stmt.finish)
             if stmt.rows_offset is not None:
                 stmt.rows_offset = fn(stmt.rows_offset)
+        elif isinstance(stmt, Transpose):
+            stmt.src_offset, stmt.dst_offset = fn(stmt.src_offset), fn(stmt.dst_offset)
+            stmt.rows, stmt.cols = fn(stmt.rows), fn(stmt.cols)
 
 
 def all_exprs(body: list[Stmt]) -> list[Expr]:

@@ -354,6 +354,10 @@ class _Binder:
             scope.body.append(replace(stmt, kc=kc, accumulate=accumulate, a_offset=a,
                                       b_offset=b, c_offset=c, rows_offset=rows,
                                       operands=operands, finish=finish))
+        elif isinstance(stmt, ir.Transpose):
+            scope.body.append(replace(stmt, src_offset=ref(stmt.src_offset, scope),
+                                      dst_offset=ref(stmt.dst_offset, scope),
+                                      rows=ref(stmt.rows, scope), cols=ref(stmt.cols, scope)))
         else:
             raise TypeError(f"unknown statement {stmt!r}")
 
@@ -451,4 +455,6 @@ def writes(stmt: ir.Stmt) -> set[str]:
             names.add(s.buffer)
         elif isinstance(s, ir.MicroKernelCall):
             names.add(s.c)
+        elif isinstance(s, ir.Transpose):
+            names.add(s.dst)
     return names

@@ -134,7 +134,7 @@ def group_gemm(ctx: StageCtx, spec: Contraction, uk: MicroKernel,
             ir.DeclArray(b_tile, spec.dtype, tiles.slice * tiles.nt, scope="group"),
             ir.DeclArray(acc, spec.dtype, uk.mr * uk.nr),
             ir.Loop(kb, iconst(0), iconst(slices), [*copies, ir.Barrier(), call, ir.Barrier()]),
-            epilogue]
+            *epilogue]
     ctx.stage(f"contraction {ctx.op.op_type} ({ctx.op.id}), work-group tiled GEMM",
               [ir.Loop(p, iconst(0), iconst(bt * row_tiles * col_tiles * t), body, parallel=1,
                        work_group=t)],

@@ -339,7 +339,7 @@ def _call(pr: _Product, t: _Task, b_offset: Expr, a: tuple[MicroKernel, str, Exp
 
 
 def _tile_update(ctx: StageCtx, spec: Contraction, pr: _Product,
-                 t: _Task) -> tuple[list[ir.Stmt], ir.Stmt | None]:
+                 t: _Task) -> tuple[list[ir.Stmt], list[ir.Stmt]]:
     """One micro-tile's update, with its epilogue when the micro-kernel can store whole tiles
     itself (only the ragged tiles go through the local array): a plain product, or one whose
     epilogue is call-free math of the sum and of values constant along the tile's rows or
@@ -405,30 +405,30 @@ def _tile_update(ctx: StageCtx, spec: Contraction, pr: _Product,
         direct = replace(direct, kernel=replace(direct.kernel, epilogue=output.epilogue),
                          operands=output.operands(t.i, t.j), finish=last)
         ctx.info["epilogue"] = "in registers"
-    ragged = [call, _epilogue(ctx, spec, pr, t, (t.i, t.j), (uk.mr, uk.nr))]
+    ragged = [call, *_epilogue(ctx, spec, pr, t, (t.i, t.j), (uk.mr, uk.nr))]
     if pr.streams:
         ctx.info["order"] = "row panels outermost"
-    return [ir.If(whole, [direct], ragged)], None
+    return [ir.If(whole, [direct], ragged)], []
 
 
 def _epilogue(ctx: StageCtx, spec: Contraction, pr: _Product, t: _Task,
-              start: tuple[Expr, Expr], size: tuple[int, int]) -> ir.Stmt:
+              start: tuple[Expr, Expr], size: tuple[int, int]) -> list[ir.Stmt]:
     """The results of `size` = (rows, columns) from `start` (a micro-tile, or the whole block)
     through the epilogue, from the block's local array, after their last update."""
     i, j = start
     # the local array holds the block from (i0, j0), or a streaming product's one tile
     (i0, j0), ldc = ((i, j), size[1]) if pr.streams else ((t.i0, t.j0), pr.blk.nc)
     if pr.folded:
-        epilogue = _folded_epilogue(ctx, spec, ldc, t.tile, (i0, i, size[0], pr.rows),
-                                    (j0, j, size[1]), t.row_of)
+        epilogue = [_folded_epilogue(ctx, spec, ldc, t.tile, (i0, i, size[0], pr.rows),
+                                     (j0, j, size[1]), t.row_of)]
     else:
         epilogue = tile_epilogue(ctx, spec, ldc, t.tile, t.b, (i0, i, size[0]), (j0, j, size[1]))
     k_blocks = pr.blocks[2]
-    return ir.If(index_compare("eq", t.kb, k_blocks - 1), [epilogue]) if k_blocks > 1 else epilogue
+    return [ir.If(index_compare("eq", t.kb, k_blocks - 1), epilogue)] if k_blocks > 1 else epilogue
 
 
 def _stage(ctx: StageCtx, spec: Contraction, pr: _Product, t: _Task, tile_update: list[ir.Stmt],
-           block_epilogue: ir.Stmt | None, per_slice: list[ir.Stmt]) -> None:
+           block_epilogue: list[ir.Stmt], per_slice: list[ir.Stmt]) -> None:
     """The parallel loop over tasks: for each slice of the sum, `per_slice` (copies of its
     operands), then every micro-tile of the block, column panels outermost, then the block's
     epilogue if it has one."""
@@ -443,8 +443,7 @@ def _stage(ctx: StageCtx, spec: Contraction, pr: _Product, t: _Task, tile_update
         (t.jp, col_panels), (t.ip, row_panels))
     compute: list[ir.Stmt] = [ir.Loop(outer[0], iconst(0), outer[1],
                                       [ir.Loop(inner[0], iconst(0), inner[1], tile_update)])]
-    if block_epilogue is not None:
-        compute.append(block_epilogue)
+    compute += block_epilogue
     b_copied = [ir.DeclArray(pr.b.buffer, spec.dtype, blk.kc * blk.nc)] if pr.b_by_tasks else []
     tile_size = uk.mr * uk.nr if pr.streams else blk.mc * blk.nc
     body = [ir.DeclArray(t.tile, spec.dtype, tile_size), *b_copied,

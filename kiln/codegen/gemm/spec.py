@@ -88,22 +88,36 @@ def constant_values(ctx: StageCtx, probe: Expr, probes: tuple[Expr, ...],
 
 
 def tile_epilogue(ctx: StageCtx, spec: Contraction, ldc: int, tile: str, b: Expr,
-                  rows: tuple[Expr, Expr, int], cols: tuple[Expr, Expr, int]) -> ir.Loop:
+                  rows: tuple[Expr, Expr, int], cols: tuple[Expr, Expr, int]) -> list[ir.Stmt]:
     """Results of the tile (rows, cols) = (block start, tile start, tile size) through the fused
     epilogue, the inner loop along the output's contiguous axis; the local array `tile` holds the
-    block from its start, rows `ldc` apart."""
+    block from its start, rows `ldc` apart. Where the output runs along the tile's rows (a conv
+    with its pixels as the product's rows) and the tile spans whole vectors both ways, it is
+    copied transposed first (`ir.Transpose`), so that the epilogue reads it along its loop: read
+    down its columns one element at a time, a 7 × 7 conv's block spent a fifth of its time there."""
     (i0, i_lo, mr), (j0, j_lo, nr) = rows, cols
     i, j = ctx.var("i", spec.m), ctx.var("j", spec.n)
-    total = array_load(tile, spec.dtype, add(mul(sub(i, i0), ldc), sub(j, j0)))
-    stmts = results(ctx, spec, total, b, i, j)
     i_end = imin(add(i_lo, mr), iconst(spec.m))
     j_end = imin(add(j_lo, nr), iconst(spec.n))
     offset = spec.out(b, i, j).flat
     rows_inner = (spec.store is None and spec.m > 1
                   and stride_of(load("probe", spec.dtype, offset), i) == 1)
-    if rows_inner:
-        return ir.Loop(j, j_lo, j_end, [_vector_loop(ctx, i, i_lo, i_end, stmts)])
-    return ir.Loop(i, i_lo, i_end, [_vector_loop(ctx, j, j_lo, j_end, stmts)])
+    total = array_load(tile, spec.dtype, add(mul(sub(i, i0), ldc), sub(j, j0)))
+    outer, inner = ((j, j_lo, j_end), (i, i_lo, i_end)) if rows_inner else (
+        (i, i_lo, i_end), (j, j_lo, j_end))
+    copy: list[ir.Stmt] = []
+    s = ctx.schedule
+    lanes = s.vector_bytes // np.dtype(spec.dtype).itemsize
+    if rows_inner and s.vector_bytes and not s.gemm_work_group and min(mr, nr) >= lanes:
+        transposed, ld = ctx.name("tt"), -(-mr // lanes) * lanes
+        copy = [ir.DeclArray(transposed, spec.dtype, nr * ld),
+                ir.Transpose(spec.dtype, tile, add(mul(sub(i_lo, i0), ldc), sub(j_lo, j0)), ldc,
+                             transposed, iconst(0), ld, sub(i_end, i_lo), sub(j_end, j_lo),
+                             s.vector_bytes)]
+        total = array_load(transposed, spec.dtype, add(mul(sub(j, j_lo), ld), sub(i, i_lo)))
+    stmts = results(ctx, spec, total, b, i, j)
+    return [*copy, ir.Loop(outer[0], outer[1], outer[2],
+                           [_vector_loop(ctx, inner[0], inner[1], inner[2], stmts)])]
 
 
 def _vector_loop(ctx: StageCtx, v: Expr, start: Expr, stop: Expr, body: list[ir.Stmt]) -> ir.Loop:

@@ -16,7 +16,7 @@ from functools import cache
 from importlib import resources
 
 from kiln.codegen import ir
-from kiln.codegen.microkernel import MicroKernel, vector_extension_source
+from kiln.codegen.microkernel import MicroKernel, transpose_source, vector_extension_source
 from kiln.codegen.render.cstyle import CStyleRenderer
 
 CHUNKS_PER_LOOP = 32  # "chunks" grain: dynamic chunks of about 1/32 of the iterations
@@ -144,6 +144,9 @@ class CRenderer(CStyleRenderer):
 
     def micro_kernel(self, kernel: MicroKernel) -> str:
         return vector_extension_source(kernel)
+
+    def transpose(self, dtype: str, vector_bytes: int) -> tuple[str, str]:
+        return transpose_source(dtype, vector_bytes)
 
     def parallel_loop(self, loop: ir.Loop) -> list[str]:
         """OpenMP's `simd` (with its reductions) for a vector loop; parallel loops are outlined."""

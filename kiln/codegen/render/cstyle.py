@@ -93,7 +93,7 @@ class CStyleRenderer:
         self.launches: tuple = ()  # a GPU renderer's device entry points (kernel.Launch)
         self.helpers: set[str] = set()
         self.math: set[str] = set()  # Kiln's vectorisable math functions used (kiln.codegen.cmath)
-        self.micro_kernels: dict[str, str] = {}  # function name -> definition
+        self.micro_kernels: dict[str, str] = {}  # helper function name -> definition
         self.definitions: list[str] = []  # file-scope definitions the kernel needs (in order)
 
     # --- hooks a renderer overrides ---------------------------------------------------------
@@ -111,6 +111,10 @@ class CStyleRenderer:
     def micro_kernel(self, kernel: MicroKernel) -> str:
         """The definition of a GEMM micro-kernel function."""
         raise NotImplementedError
+
+    def transpose(self, dtype: str, vector_bytes: int) -> tuple[str, str]:
+        """The name and definition of the helper an `ir.Transpose` calls."""
+        raise NotImplementedError(f"{type(self).__name__} renders no transposes")
 
     def local_array(self, stmt: ir.DeclArray) -> str:
         return f"{self.types[stmt.dtype]} {stmt.name}[{stmt.size}];"
@@ -173,6 +177,11 @@ class CStyleRenderer:
             return [f"{k.function}({x(stmt.kc)}, {stmt.a} + {x(stmt.a_offset)}, {stmt.b} + "
                     f"{x(stmt.b_offset)}, {rows}, {stmt.c} + {x(stmt.c_offset)}, {stmt.ldc}, "
                     f"{x(stmt.accumulate)}{self.epilogue_arguments(stmt)});"]
+        if isinstance(stmt, ir.Transpose):
+            name, source = self.transpose(stmt.dtype, stmt.vector_bytes)
+            self.micro_kernels.setdefault(name, source)
+            return [f"{name}({stmt.src} + {x(stmt.src_offset)}, {stmt.lds}, {stmt.dst} + "
+                    f"{x(stmt.dst_offset)}, {stmt.ldd}, {x(stmt.rows)}, {x(stmt.cols)});"]
         raise TypeError(f"unknown statement {stmt!r}")
 
     def epilogue_arguments(self, stmt: ir.MicroKernelCall) -> str:

@@ -178,7 +178,8 @@ def _shared_loop(stmt: ir.Stmt, declared: set[str]) -> bool:
 def _warp_rows(body: list[ir.Stmt]) -> bool:
     """Whether a parallel nest's body is a row stage a warp runs (see the module docstring)."""
     stmts = list(ir.iter_stmts(body))
-    if any(isinstance(s, (ir.DeclArray, ir.ArrayStore, ir.MicroKernelCall)) for s in stmts):
+    if any(isinstance(s, (ir.DeclArray, ir.ArrayStore, ir.MicroKernelCall, ir.Transpose))
+           for s in stmts):
         return False
 
     def reduces(block: list[ir.Stmt]) -> bool:
