@@ -481,6 +481,29 @@ def test_wide_depthwise_rows_through_a_clip():
     check_model(onnx_model, random_inputs(strided), partitioners=("none", "dnnfusion"))
 
 
+@pytest.mark.parametrize("on", [None, target("x86_64")], ids=["host", "avx2"])
+def test_depthwise_rows_of_partial_vectors_store_their_sums_through_the_epilogue(on):
+    """Output rows of 36 under a ReLU6 (past two vectors of AVX-512 and of AVX2, not a whole
+    number of either, as MobileNetV2's rows of 56 on AVX-512) skip the plane of sums too: each
+    row's window sums go through the epilogue to the output. Stride 1 and 2; it matches
+    onnxruntime."""
+    rng = np.random.default_rng(15)
+    inits = {"w": rng.standard_normal((3, 1, 3, 3)).astype(np.float32),
+             "b": rng.standard_normal(3).astype(np.float32),
+             "lo": np.array(0, np.float32), "hi": np.array(6, np.float32)}
+    for stride, width in [(1, 36), (2, 72)]:
+        spec = {"x": ((1, 3, 5, width), "float32")}
+        onnx_model = model([
+            helper.make_node("Conv", ["x", "w", "b"], ["c"], kernel_shape=[3, 3],
+                             pads=[1, 1, 1, 1], strides=[stride, stride], group=3),
+            helper.make_node("Clip", ["c", "lo", "hi"], ["y"])], spec, ["y"], inits)
+        check_model(onnx_model, random_inputs(spec), partitioners=("none", "dnnfusion"))
+        graph = frontend.build(onnx_model, {}, "test")
+        stages = [info for kernel in generate(plan_for(graph, "dnnfusion"), on or host_target())
+                  for info in kernel.schedule.get("stages", [])]
+        assert [s.get("window_sums") for s in stages] == ["to the output"], stages
+
+
 def test_depthwise_plane_too_large_for_the_stack():
     """A plane whose padded copy would not fit the stack is read in place, its interior and
     border outputs apart; it matches onnxruntime."""

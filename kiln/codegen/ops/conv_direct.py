@@ -478,8 +478,9 @@ def depthwise_plane(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: Con
     j + offset(tap) with no border cases and contiguous reads at any stride. The fused epilogue
     then runs over each output row's ow valid pixels (over the whole plane, its rows packed
     densely first, when they are narrower than two vectors or, under an epilogue that calls a
-    function, not a whole number of vectors); rows of whole vectors under an epilogue with no
-    call skip the plane of sums, each row's window sums stored through the epilogue at once."""
+    function, not a whole number of vectors); rows of two vectors or more under an epilogue
+    with no call skip the plane of sums, each row's window sums stored through the epilogue at
+    once."""
     out, dtype = ctx.out(), ops.acc_dtype
     batch, m_total = out.shape[0], out.shape[1]
     mg = m_total // group
@@ -533,11 +534,13 @@ def depthwise_plane(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: Con
     oy, ox = ctx.var("y", oh), ctx.var("x", ow)
     in_rows = ctx.results({0: (Index(out.shape, dims=[n, m, oy, ox]), ops.finish(
         window_sum(add(mul(oy, grid.wq), ox), passes[0], None), m))})
-    if len(passes) == 1 and ow >= 2 * lanes and ow % lanes == 0 and not calls_function(in_rows):
-        # rows of whole vectors under a cheap epilogue (ReLU6): each row's window sums go
-        # through it straight to the output, with no plane of sums written and read back
-        # (3 × 3 on 56 × 56 and 112 × 112 planes: 0.9× the time; with a SiLU's exp in the same
-        # loop it ran 1.1× slower, the weights and its constants past the registers)
+    if len(passes) == 1 and ow >= 2 * lanes and not calls_function(in_rows):
+        # rows of two vectors or more under a cheap epilogue (ReLU6): each row's window sums
+        # go through it straight to the output, with no plane of sums written and read back
+        # (3 × 3 on 56 × 56 and 112 × 112 planes: 0.9× the time; rows of 56 on AVX-512, three
+        # vectors and a half, 0.78× at stride 1 and 0.90× at stride 2; with a SiLU's exp in
+        # the same loop it ran 1.1× slower, the weights and its constants past the registers)
+        ctx.info["window_sums"] = "to the output"
         compute_and_store = [ir.Loop(oy, iconst(0), iconst(oh),
                                      [ir.Loop(ox, iconst(0), iconst(ow), in_rows, simd=True)])]
         _plane_stage(ctx, [ir.DeclArray(plane, dtype, grid.segment), *copy, *compute_and_store],
