@@ -416,7 +416,7 @@ def test_depthwise_planes(case, fusion):
     onnx_model, inputs = _conv_model(case, fusion, seed=8)
     check_model(onnx_model, inputs, partitioners=("none", "dnnfusion"))
     if attrs["strides"] == [1, 1] and attrs["group"] > 1:  # one channel, 1×1: a matrix product
-        assert "depthwise planes" in _forms(onnx_model)
+        assert "depthwise" in _forms(onnx_model)  # over planes, or in place (rows of a few)
 
 
 def test_narrow_depthwise_planes_with_a_silu():
@@ -433,7 +433,22 @@ def test_narrow_depthwise_planes_with_a_silu():
         helper.make_node("Sigmoid", ["c"], ["s"]),
         helper.make_node("Mul", ["c", "s"], ["y"])], spec, ["y"], inits)
     check_model(onnx_model, random_inputs(spec), partitioners=("none", "dnnfusion"))
-    assert "depthwise planes" in _forms(onnx_model)
+    assert [s.get("form") for s in _fused_stages(onnx_model)] == ["depthwise planes"]
+
+
+@pytest.mark.parametrize("on,form", [(None, "depthwise"), (target("x86_64"), "depthwise planes")],
+                         ids=["host", "avx2"])
+def test_depthwise_rows_under_half_a_vector_run_in_place(on, form):
+    """A 3 × 3 depthwise conv onto 7 × 7 planes under a ReLU6 (MobileNetV2's last stages): rows
+    under half an AVX-512 vector run in place, with no padded plane; AVX2's 8 lanes keep the
+    planes. A SiLU keeps them everywhere (`test_narrow_depthwise_planes_with_a_silu`). It
+    matches onnxruntime."""
+    if on is None and host_target().vector_bytes < 64:
+        pytest.skip("needs an AVX-512 host")
+    onnx_model, spec = _depthwise_relu6((2, 5, 7, 7), 1, seed=16)
+    check_model(onnx_model, random_inputs(spec), partitioners=("none", "dnnfusion"))
+    stages = _fused_stages(onnx_model, on)
+    assert [s.get("form") for s in stages] == [form], stages
 
 
 def test_strided_depthwise_after_a_pad_reads_planes():
@@ -487,38 +502,36 @@ def test_depthwise_rows_of_partial_vectors_store_their_sums_through_the_epilogue
     number of either, as MobileNetV2's rows of 56 on AVX-512) skip the plane of sums too: each
     row's window sums go through the epilogue to the output. Stride 1 and 2; it matches
     onnxruntime."""
-    rng = np.random.default_rng(15)
-    inits = {"w": rng.standard_normal((3, 1, 3, 3)).astype(np.float32),
-             "b": rng.standard_normal(3).astype(np.float32),
-             "lo": np.array(0, np.float32), "hi": np.array(6, np.float32)}
     for stride, width in [(1, 36), (2, 72)]:
-        spec = {"x": ((1, 3, 5, width), "float32")}
-        onnx_model = model([
-            helper.make_node("Conv", ["x", "w", "b"], ["c"], kernel_shape=[3, 3],
-                             pads=[1, 1, 1, 1], strides=[stride, stride], group=3),
-            helper.make_node("Clip", ["c", "lo", "hi"], ["y"])], spec, ["y"], inits)
+        onnx_model, spec = _depthwise_relu6((1, 3, 5, width), stride, seed=15)
         check_model(onnx_model, random_inputs(spec), partitioners=("none", "dnnfusion"))
-        graph = frontend.build(onnx_model, {}, "test")
-        stages = [info for kernel in generate(plan_for(graph, "dnnfusion"), on or host_target())
-                  for info in kernel.schedule.get("stages", [])]
+        stages = _fused_stages(onnx_model, on)
         assert [s.get("window_sums") for s in stages] == ["to the output"], stages
 
 
 def test_depthwise_plane_too_large_for_the_stack():
     """A plane whose padded copy would not fit the stack is read in place, its interior and
     border outputs apart; it matches onnxruntime."""
-    rng = np.random.default_rng(13)
-    spec = {"x": ((1, 2, 260, 260), "float32")}
-    inits = {"w": rng.standard_normal((2, 1, 3, 3)).astype(np.float32),
-             "b": rng.standard_normal(2).astype(np.float32),
-             "lo": np.array(0, np.float32), "hi": np.array(6, np.float32)}
-    onnx_model = model([
-        helper.make_node("Conv", ["x", "w", "b"], ["c"], kernel_shape=[3, 3], pads=[1, 1, 1, 1],
-                         strides=[2, 2], group=2),
-        helper.make_node("Clip", ["c", "lo", "hi"], ["y"])], spec, ["y"], inits)
+    onnx_model, spec = _depthwise_relu6((1, 2, 260, 260), 2, seed=13)
     check_model(onnx_model, random_inputs(spec), partitioners=("none",))
     forms = _forms(onnx_model)
     assert "depthwise" in forms and "depthwise planes" not in forms
+
+
+def _depthwise_relu6(shape: tuple[int, ...], stride: int, seed: int):
+    """A 3 × 3 depthwise conv (pads 1, `stride`) with a bias, then a ReLU6, over an input of
+    `shape`: the model and its input spec."""
+    rng = np.random.default_rng(seed)
+    channels = shape[1]
+    spec = {"x": (shape, "float32")}
+    inits = {"w": rng.standard_normal((channels, 1, 3, 3)).astype(np.float32),
+             "b": rng.standard_normal(channels).astype(np.float32),
+             "lo": np.array(0, np.float32), "hi": np.array(6, np.float32)}
+    onnx_model = model([
+        helper.make_node("Conv", ["x", "w", "b"], ["c"], kernel_shape=[3, 3], pads=[1, 1, 1, 1],
+                         strides=[stride, stride], group=channels),
+        helper.make_node("Clip", ["c", "lo", "hi"], ["y"])], spec, ["y"], inits)
+    return onnx_model, spec
 
 
 def _conv_model(case, fusion: str, seed: int):
@@ -552,6 +565,14 @@ def _strided_3x3_relu(x_shape: tuple[int, ...], cout: int, seed: int):
     return model([helper.make_node("Conv", ["x", "w", "b"], ["c"], kernel_shape=[3, 3],
                                    strides=[2, 2], pads=[1, 1, 1, 1]),
                   helper.make_node("Relu", ["c"], ["y"])], spec, ["y"], inits), spec
+
+
+def _fused_stages(onnx_model, on: Target | None = None) -> list[dict]:
+    """What each stage of `onnx_model`'s kernels (partitioner dnnfusion) records, for target `on`
+    (default: this machine)."""
+    graph = frontend.build(onnx_model, {}, "test")
+    return [info for kernel in generate(plan_for(graph, "dnnfusion"), on or host_target())
+            for info in kernel.schedule.get("stages", [])]
 
 
 def _forms(onnx_model, on: Target | None = None) -> str:

@@ -184,7 +184,8 @@ def conv_stage(ctx: StageCtx, weight: int, operands: Callable[[str, bool], ConvO
             _implicit_gemm(ctx, geometry, w_shape, ops, group)
     else:
         in_shape = ctx.graph.tensors[ops.x].shape
-        if depthwise_plane_applies(ctx, geometry, in_shape[1], group, ops.acc_dtype):
+        if (depthwise_plane_applies(ctx, geometry, in_shape[1], group, ops.acc_dtype)
+                and not _tiny_rows_in_place(ctx, geometry, ops, in_shape[1], group)):
             depthwise_plane(ctx, geometry, w_shape, ops, group, in_shape)
         elif not _depthwise_conv(ctx, geometry, w_shape, ops, group):
             _direct_conv(ctx, geometry, w_shape, ops, group)
@@ -506,6 +507,38 @@ def _border(out_size: int, in_size: int, kernel: int, stride: int, dilation: int
     return lo, max(lo, min(out_size, hi))
 
 
+def _tiny_rows_in_place(ctx: StageCtx, w: Window, ops: ConvOperands, x_channels: int,
+                        group: int) -> bool:
+    """Whether a depthwise conv whose output rows are under half a vector, under an epilogue that
+    calls no function (a ReLU6), runs in place (`_depthwise_conv`) rather than over padded
+    planes: a plane's copy, its grid rows of sums and their packing cost more than its few border
+    points do in place (MobileNetV2's 3 × 3 convs onto 7 × 7 with AVX-512: 0.76× the time, 0.6×
+    while the VM ran slow). Wider rows kept the planes: at 14 × 14 and 28 × 28 they ran 1.15-1.3×
+    slower in place; and an epilogue with a call (a SiLU's exp) keeps them, their dense pass
+    running it in vectors (EfficientNet's narrow planes 1.2-2× slower in place)."""
+    if 2 * w.out_size[-1] >= micro_kernel(ctx, ops.acc_dtype).lanes:
+        return False
+    if not _in_place_depthwise_applies(w, x_channels, group):
+        return False
+    out = ctx.out()
+    index = Index(out.shape, flat=ctx.var("q", out.numel))
+    total = array_load(ctx.name("sum"), ops.acc_dtype, iconst(0))
+    channel = ctx.var("m", out.shape[1])
+    return not calls_function(ctx.results({0: (index, ops.finish(total, channel))}))
+
+
+def _in_place_depthwise_applies(w: Window, x_channels: int, group: int) -> bool:
+    """Whether `_depthwise_conv` takes a conv: 2-D, depthwise, at most 7 × 7 taps, at most
+    MAX_BORDER border rows and columns a side."""
+    if len(w.kernel) != 2 or x_channels // group != 1 or math.prod(w.kernel) > 49:
+        return False
+    (oh, ow), (kh, kw), (ih, iw) = w.out_size, w.kernel, w.in_size
+    (sh, sw), (dh, dw), (ph, pw) = w.strides, w.dilations, w.pad_begin
+    y_lo, y_hi = _border(oh, ih, kh, sh, dh, ph)
+    x_lo, x_hi = _border(ow, iw, kw, sw, dw, pw)
+    return max(y_lo, oh - y_hi, x_lo, ow - x_hi) <= MAX_BORDER
+
+
 def _depthwise_conv(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: ConvOperands,
                     group: int) -> bool:
     """A 2-D conv whose output channels each read one input channel (depthwise, any channel
@@ -523,7 +556,7 @@ def _depthwise_conv(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: Con
     border columns (and rows narrower than a vector) would evaluate it in scalar code, an exp
     per point for a SiLU."""
     x_shape, out = ctx.graph.tensors[ops.x].shape, ctx.out()
-    if len(w.kernel) != 2 or x_shape[1] // group != 1 or math.prod(w.kernel) > 49:
+    if not _in_place_depthwise_applies(w, x_shape[1], group):
         return False
     batch, m_total = out.shape[0], out.shape[1]
     mg = m_total // group
@@ -531,8 +564,6 @@ def _depthwise_conv(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: Con
     (sh, sw), (dh, dw), (ph, pw) = w.strides, w.dilations, w.pad_begin
     y_lo, y_hi = _border(oh, ih, kh, sh, dh, ph)
     x_lo, x_hi = _border(ow, iw, kw, sw, dw, pw)
-    if max(y_lo, oh - y_hi, x_lo, ow - x_hi) > MAX_BORDER:
-        return False
     in_shape = (x_shape[0], x_shape[1], ih, iw)
     p = ctx.var("p", batch * m_total)
     n, m = Index((batch, m_total), flat=p).dims
