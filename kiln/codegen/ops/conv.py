@@ -520,11 +520,9 @@ def _tiny_rows_in_place(ctx: StageCtx, w: Window, ops: ConvOperands, x_channels:
         return False
     if not _in_place_depthwise_applies(w, x_channels, group):
         return False
-    out = ctx.out()
-    index = Index(out.shape, flat=ctx.var("q", out.numel))
-    total = array_load(ctx.name("sum"), ops.acc_dtype, iconst(0))
-    channel = ctx.var("m", out.shape[1])
-    return not calls_function(ctx.results({0: (index, ops.finish(total, channel))}))
+    shape = ctx.out().shape
+    return _call_free_epilogue(ctx, ops, lambda b, i, j: Index(shape, flat=i),
+                               lambda total, b, i, j: ops.finish(total, j))
 
 
 def _in_place_depthwise_applies(w: Window, x_channels: int, group: int) -> bool:
