@@ -365,11 +365,13 @@ def register_tile_body(k: MicroKernel, vec: str, index: str, load: Callable[[str
 def _prefetch_lines(k: MicroKernel, prefetch: Callable[[str], str], ldb: str) -> list[str]:
     """Requests, `PREFETCH_STEPS` steps ahead, for the streams a step reads in order: B's row (a
     packed panel `ldb` apart; not an indirect kernel's, whose rows jump) and a packed A panel's
-    `mr` values (a convolution's weights); none in a 1-row kernel."""
-    if k.mr == 1:
-        # one FMA per vector of B: the loop is bound by its loads, and a request per line of B
-        # takes a load slot each, for a single sequential stream the hardware prefetcher follows
-        # anyway (an LSTM's recurrent sums on Zen 4: 0.85x the time without them)
+    `mr` values (a convolution's weights); none in a 1-row GEMM kernel."""
+    if k.mr == 1 and not k.pixel_rows:
+        # a vector times weights: one FMA per vector of B, so the loop is bound by its loads, and
+        # a request per line of B takes a load slot each, for one long sequential stream that the
+        # hardware prefetcher follows anyway (an LSTM's recurrent sums on Zen 4: 0.85x the time
+        # without them; a pixel-rows kernel's last row, over a panel of weights that other tiles
+        # read too, ran 1.01-1.04x the time without them)
         return []
     line_elements = 64 // (4 if k.dtype == "float32" else 8)
     lines = []
