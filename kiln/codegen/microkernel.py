@@ -100,8 +100,12 @@ class MicroKernel:
         return {"float32": "float", "float64": "double"}[self.dtype]
 
     @property
+    def itemsize(self) -> int:
+        return {"float32": 4, "float64": 8}[self.dtype]
+
+    @property
     def lanes(self) -> int:
-        return self.vector_bytes // (4 if self.dtype == "float32" else 8)
+        return self.vector_bytes // self.itemsize
 
     @property
     def function(self) -> str:
@@ -173,7 +177,7 @@ def vector_extension_source(k: MicroKernel) -> str:
     finish = ", int finish" if k.epilogue else ""
     head = [
         f"typedef {k.scalar} {vec} __attribute__((vector_size({k.vector_bytes})));",
-        f"typedef {k.scalar} {vecu} __attribute__((vector_size({k.vector_bytes}), aligned({4 if k.dtype == 'float32' else 8})));",
+        f"typedef {k.scalar} {vecu} __attribute__((vector_size({k.vector_bytes}), aligned({k.itemsize})));",
         # out of line: inlined into a loop nest whose other loops keep vectors live, GCC spilled
         # an accumulator (a store-to-load round trip per k) and the kernel ran at half speed
         f"static __attribute__((noinline)) void {k.function}(int64_t kc, const {k.scalar} *restrict a, "
@@ -203,7 +207,7 @@ def pixel_rows_source(k: MicroKernel) -> str:
     load = lambda p: f"*(const {vecu} *)({p})"  # noqa: E731
     lines = [
         f"typedef {k.scalar} {vec} __attribute__((vector_size({k.vector_bytes})));",
-        f"typedef {k.scalar} {vecu} __attribute__((vector_size({k.vector_bytes}), aligned({4 if k.dtype == 'float32' else 8})));",
+        f"typedef {k.scalar} {vecu} __attribute__((vector_size({k.vector_bytes}), aligned({k.itemsize})));",
         f"static __attribute__((noinline)) void {k.function}(int64_t kc, const {k.scalar} *restrict a, "
         f"const {k.scalar} *restrict b, const int32_t *restrict rows, {k.scalar} *restrict c, "
         f"int64_t ldc, int accumulate, const int32_t *restrict bases, {k.scalar} *restrict out"
@@ -373,7 +377,7 @@ def _prefetch_lines(k: MicroKernel, prefetch: Callable[[str], str], ldb: str) ->
         # without them; a pixel-rows kernel's last row, over a panel of weights that other tiles
         # read too, ran 1.01-1.04x the time without them)
         return []
-    line_elements = 64 // (4 if k.dtype == "float32" else 8)
+    line_elements = 64 // k.itemsize
     lines = []
     if not k.indirect:
         lines += [f"    {prefetch(f'b + (k + {PREFETCH_STEPS}) * {ldb} + {e}')};"

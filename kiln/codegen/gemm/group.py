@@ -85,7 +85,7 @@ class GroupTiles:
 def group_tiles(m: int, n: int, k: int, uk: MicroKernel, s: Schedule) -> GroupTiles:
     """The largest group the product fills, within the schedule's work-group size, and the
     longest slice (a power of two, at most the sum's) whose two local tiles fit its local memory."""
-    itemsize = 4 if uk.dtype == "float32" else 8
+    itemsize = uk.itemsize
     rows = min(_power_of_two_above(-(-m // uk.mr)), MAX_WORK_ITEMS_PER_AXIS)
     cols = min(_power_of_two_above(-(-n // uk.nr)), MAX_WORK_ITEMS_PER_AXIS)
     while rows * cols > max(s.gemm_work_group, 1):

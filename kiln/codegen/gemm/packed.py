@@ -6,6 +6,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from kiln.codegen import ir
 from kiln.codegen.contexts import StageCtx
 from kiln.codegen.expr import (
@@ -200,7 +202,7 @@ def _product(ctx: StageCtx, spec: Contraction, uk: MicroKernel,
         elif packed_a is None or not packed_a.in_place:
             uk = padded
     packed_a = packed_a or scratch_panels(ctx, spec, a, uk.mr)
-    itemsize = 4 if spec.dtype == "float32" else 8
+    itemsize = np.dtype(spec.dtype).itemsize
     uk = _tile_for_rows(ctx, uk, packed_a, itemsize)
     packed_b = constant_panels(ctx, spec, b_side, uk.nr)
     copied_by_tasks = packed_b is None and b_copied_by_tasks(ctx, spec, b_side, uk.lanes)
@@ -265,7 +267,7 @@ def _streaming(ctx: StageCtx, spec: Contraction, pr: _Product) -> _Product:
     56 × 56 with a residual 0.65–0.8×, 128 to 512 at 28 × 28 0.87×; Swin-T's products of
     3136 × 96 rows ran as long either way."""
     s = ctx.schedule
-    itemsize = 4 if spec.dtype == "float32" else 8
+    itemsize = np.dtype(spec.dtype).itemsize
     if (pr.blocks[2] > 1 or pr.b_by_tasks
             or not stores_bound(s, spec.k, pr.batches * pr.rows * spec.n * itemsize)):
         return pr
@@ -449,7 +451,7 @@ def _stage(ctx: StageCtx, spec: Contraction, pr: _Product, t: _Task, tile_update
     body = [ir.DeclArray(t.tile, spec.dtype, tile_size), *b_copied,
             ir.Loop(t.kb, iconst(0), iconst(k_blocks), [*per_slice, *compute])]
     bt = math.prod(spec.batch)
-    serial = _serial(spec, pr.rows, 4 if spec.dtype == "float32" else 8)
+    serial = _serial(spec, pr.rows, np.dtype(spec.dtype).itemsize)
     if serial:
         ctx.info["threads"] = "one (a short stream of weights)"
     ctx.stage(f"contraction {ctx.op.op_type} ({ctx.op.id}), packed GEMM",

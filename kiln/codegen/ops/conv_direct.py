@@ -222,7 +222,7 @@ def direct_conv(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: ConvOpe
 
     bt = batch * group
     window_name = ctx.name("xw")
-    itemsize = 4 if dtype == "float32" else 8
+    itemsize = np.dtype(dtype).itemsize
     nc = _block_columns(ctx, k_total, mg, bt * mg * oh * ow * itemsize, itemsize)
 
     def split(balance: bool) -> tuple[Blocking, int, TaskWindow, bool]:
@@ -465,7 +465,7 @@ def depthwise_plane_applies(ctx: StageCtx, w: Window, x_channels: int, group: in
     if len(w.kernel) != 2 or x_channels // group != 1 or acc_dtype not in ("float32", "float64"):
         return False
     grid, _ = _phase_grid(w, 1, 1)
-    itemsize = 4 if acc_dtype == "float32" else 8
+    itemsize = np.dtype(acc_dtype).itemsize
     return (grid.segment + w.out_size[0] * grid.wq) * itemsize <= PLANE_BYTES
 
 
