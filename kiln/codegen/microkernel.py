@@ -32,6 +32,8 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 # (vector bytes, mr, nr) per ISA, widest first: 32 zmm → 12×32 (24 accumulators); 16 ymm → 6×16
 # (12 accumulators); 32 NEON q registers → 8×12 (24 accumulators).
 ISA_TILES = (
@@ -101,7 +103,7 @@ class MicroKernel:
 
     @property
     def itemsize(self) -> int:
-        return {"float32": 4, "float64": 8}[self.dtype]
+        return np.dtype(self.dtype).itemsize
 
     @property
     def lanes(self) -> int:

@@ -72,6 +72,23 @@ def test_quantize_roundtrip_and_qlinear_matmul():
     check_model(model(nodes, spec, ["dq", "pq", "mmf"], inits, opset=13), random_inputs(spec))
 
 
+@pytest.mark.parametrize("kernel", [1, 3])
+def test_qlinear_conv_accumulates_in_int32(kernel):
+    """A QLinearConv's int32 accumulation: a 1 × 1 one asks for the target's micro-kernel shape
+    (for int32: 4-byte lanes, as float32's) on its way to its own loops."""
+    spec = {"x": ((1, 3, 7, 7), "float32")}
+    rng = np.random.default_rng(11)
+    inits = {"s": np.array(0.05, np.float32), "z": np.array(3, np.uint8),
+             "w": rng.integers(0, 255, (4, 3, kernel, kernel)).astype(np.uint8),
+             "ws": np.array(0.01, np.float32), "wz": np.array(128, np.uint8),
+             "ys": np.array(0.5, np.float32), "yz": np.array(10, np.uint8)}
+    nodes = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"]),
+             helper.make_node("QLinearConv", ["q", "s", "z", "w", "ws", "wz", "ys", "yz"], ["c"],
+                              pads=[kernel // 2] * 4),
+             helper.make_node("Cast", ["c"], ["cf"], to=TensorProto.FLOAT)]
+    check_model(model(nodes, spec, ["cf"], inits, opset=13), random_inputs(spec))
+
+
 @pytest.mark.parametrize("inverse,onesided", [(0, 0), (0, 1), (1, 0)])
 def test_dft_reading_a_graph_input(inverse, onesided):
     """The input is tensor t0: generated loop names must not collide with tensor ids."""
