@@ -6,7 +6,9 @@ One generator serves every ISA: a micro-kernel updates an `mr` × `nr` tile of C
 
 * A panel: `kc` × `mr`, row index fastest (`a[k·mr + r]`), broadcast one scalar at a time; or,
   for a kernel with a nonzero `lda`, A's rows read in place (`a[r·lda + k]`: a row-major operand
-  needs no packing, the broadcasts read its rows wherever they are);
+  needs no packing, the broadcasts read its rows wherever they are); or, for a kernel with a
+  nonzero `a_step`, A's columns read in place (`a[k·a_step + r]`: a column-major operand, such as
+  attention's V read as Vᵀ, is a panel whose steps lie `a_step` apart);
 * B panel: `kc` rows of `nr` contiguous columns, `ldb` apart (`b[k·ldb + c]`: `ldb = nr` for a
   packed panel, the padded row length for a row-major operand), loaded as `nr / lanes` vectors;
 * C tile: row-major with leading dimension `ldc`, loaded (when `accumulate`) and stored once.
@@ -92,6 +94,8 @@ class MicroKernel:
     # 0: A in packed panels; > 0: A row-major, rows `lda` elements apart (a compile-time constant,
     # so every row's broadcast addresses off one pointer)
     lda: int = 0
+    # 0: as `lda` says; > 0: A column-major, step k of the sum `a_step` elements on (a[k·a_step + r])
+    a_step: int = 0
     epilogue: TileEpilogue | None = None  # applied in registers when the call says `finish`
     # A rows at a + bases[r] + rows[k] (int32 tables), the finished tile stored transposed
     # (`pixel_rows_source`)
@@ -114,6 +118,7 @@ class MicroKernel:
         kind = (("ind_" if self.indirect else "") + ("loc_" if self.local else "")
                 + ("pix_" if self.pixel_rows else "")
                 + (f"a{self.lda}_" if self.lda else "")
+                + (f"s{self.a_step}_" if self.a_step else "")
                 + (f"e{self.epilogue.tag}_" if self.epilogue else ""))
         return f"kiln_ukr_{kind}{self.dtype}_{self.mr}x{self.nr}_v{self.vector_bytes}"
 
@@ -356,7 +361,8 @@ def register_tile_body(k: MicroKernel, vec: str, index: str, load: Callable[[str
     if pin:
         lines += pin([f"b{v}" for v in range(vectors)])
     for r in range(k.mr):
-        element = f"a[{r * k.lda} + k]" if k.lda else f"a[k * {k.mr} + {r}]"
+        element = (f"a[{r * k.lda} + k]" if k.lda
+                   else f"a[k * {k.a_step or k.mr} + {r}]")
         lines.append(f"    {{ const {k.scalar} a{r} = {element};")
         lines.extend(f"      {acc[r][v]} += a{r} * b{v};" for v in range(vectors))
         lines.append("    }")
@@ -384,7 +390,7 @@ def _prefetch_lines(k: MicroKernel, prefetch: Callable[[str], str], ldb: str) ->
     if not k.indirect:
         lines += [f"    {prefetch(f'b + (k + {PREFETCH_STEPS}) * {ldb} + {e}')};"
                   for e in range(0, k.nr, line_elements)]
-    if not k.lda and not k.pixel_rows:
+    if not k.lda and not k.a_step and not k.pixel_rows:
         lines.append(f"    {prefetch(f'a + (k + {PREFETCH_STEPS}) * {k.mr}')};")
     return lines
 

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from kiln import frontend
 from kiln.codegen import generate
 from kiln.codegen.microkernel import MicroKernel
-from kiln.codegen.ops.fused_attention import micro_kernel_for, panel_rows, row_tiling, tile_columns
+from kiln.codegen.ops.fused_attention import (_reading_in_place, micro_kernel_for, panel_rows,
+                                              row_tiling, tile_columns)
 from kiln.codegen.schedule import Schedule
 from kiln.plan.chains import attention_chains
 from bench.attention import ADDITIVE, BIAS, BOOLEAN, CAUSAL, attention_model
@@ -64,9 +65,9 @@ def test_fused_attention_matches_onnxruntime(case):
     assert_matches([values[t] for t in graph.outputs], reference(onnx_model, inputs))
 
 
-def _fused_matches_onnxruntime(case) -> tuple[dict, int]:
-    """The fused attention stage of the case's kernel and the kernel's GEMM micro-kernel rows,
-    after checking the outputs against onnxruntime."""
+def _fused_matches_onnxruntime(case) -> tuple[dict, MicroKernel]:
+    """The fused attention stage of the case's kernel and the kernel's GEMM micro-kernel, after
+    checking the outputs against onnxruntime."""
     onnx_model, inputs = attention_model(*case)
     graph = frontend.build(onnx_model, {}, "attention")
     kernels = generate(plan := plan_for(graph, "dnnfusion"), host_target())
@@ -76,7 +77,7 @@ def _fused_matches_onnxruntime(case) -> tuple[dict, int]:
     assert_matches([values[t] for t in graph.outputs], reference(onnx_model, inputs))
     known = {f.name for f in fields(Schedule)}
     schedule = Schedule(**{k: v for k, v in fused[0].schedule.items() if k in known})
-    return fused_stages(fused)[0], micro_kernel_for(schedule, "float32").mr
+    return fused_stages(fused)[0], micro_kernel_for(schedule, "float32")
 
 
 @settings(max_examples=10, deadline=None)
@@ -88,10 +89,61 @@ def test_fused_attention_with_short_panels_matches_onnxruntime(heads, q_len, kv_
     """Key and value counts for which K and V run in panels shorter than the micro-kernel's rows
     (`panel_rows`), each product with its own micro-kernel; query lengths whose tiles are one
     vector wide (`tile_columns`)."""
-    stage, mr = _fused_matches_onnxruntime((1, heads, q_len, kv_len, head, value, mask,
+    stage, uk = _fused_matches_onnxruntime((1, heads, q_len, kv_len, head, value, mask,
                                             packed_q, False))
     keys, values = (int(tile.split("x")[0]) for tile in stage["micro_kernel"].split(", "))
-    assert (keys, values) == (panel_rows(kv_len, mr), panel_rows(value, mr))
+    assert keys == panel_rows(kv_len, uk.mr)
+    if stage["values"] != "rows read in place":  # Oᵀ = Vᵀ · Pᵀ, V's columns in panels
+        assert values == panel_rows(value, uk.mr)
+
+
+@pytest.mark.parametrize("case", CASES[:4] + CASES[-2:],
+                         ids=lambda c: "x".join(map(str, c[:6])) + f"-{c[6]}")
+def test_keys_and_values_that_are_plain_loads_are_read_in_place(case):
+    """K (as K or as Kᵀ) and V straight from the block's inputs, through Reshapes and Transposes,
+    are the micro-kernels' operands where they lie: no panels are packed, and V's rows are the
+    second product's B wherever a row is whole vectors (O = P·V, stored along O's rows)."""
+    stage, uk = _fused_matches_onnxruntime(case)
+    lanes = uk.lanes
+    assert stage["keys"] == "read in place"
+    assert stage["values"] == ("rows read in place" if case[5] % lanes == 0 else "read in place")
+    assert ("(P·V)" in stage["micro_kernel"]) == (case[5] % lanes == 0)
+
+
+def test_keys_and_values_computed_in_the_block_are_packed():
+    """A K and a V that the block computes (a Relu fused ahead of each product) are no tensor to
+    read in place: both go into panels, and the result still matches onnxruntime."""
+    from tests.codegen.harness import model, random_inputs
+    spec = {"q": ((1, 2, 20, 16), "float32"), "kt": ((1, 2, 16, 24), "float32"),
+            "v": ((1, 2, 24, 32), "float32")}
+    nodes = [helper.make_node("Relu", ["kt"], ["kr"]), helper.make_node("Relu", ["v"], ["vr"]),
+             helper.make_node("MatMul", ["q", "kr"], ["s"]),
+             helper.make_node("Softmax", ["s"], ["p"], axis=-1),
+             helper.make_node("MatMul", ["p", "vr"], ["y"])]
+    onnx_model = model(nodes, spec, ["y"], {})
+    inputs = random_inputs(spec)
+    graph = frontend.build(onnx_model, {}, "attention")
+    kernels = generate(plan := plan_for(graph, "dnnfusion"), host_target())
+    stages = fused_stages(kernels)
+    assert len(stages) == 1 and (stages[0]["keys"], stages[0]["values"]) == ("packed", "packed")
+    values = run_kernels(plan, kernels, dict(zip(graph.inputs, inputs.values())))
+    assert_matches([values[t] for t in graph.outputs], reference(onnx_model, inputs))
+
+
+@pytest.mark.parametrize("rows, steps, kind", [
+    (768, 1, "lda"),  # K [n, H·D]: rows of key positions a BERT hidden size apart
+    (1, 128, "a_step"),  # Kᵀ [d, n] or V [n, dv]: each step of the sum a row
+    (1024, 1, None),  # rows 4 KiB apart: 12 rows' lines in one L1 set of 8 ways
+    (64, 2, None),  # neither rows nor steps contiguous (a strided view)
+])
+def test_an_operand_is_read_in_place_along_its_contiguous_axis(rows, steps, kind):
+    uk = MicroKernel("float32", 12, 32, 64)
+    kernel = _reading_in_place(uk, rows, steps)
+    assert (kernel is None) == (kind is None)
+    if kind == "lda":
+        assert (kernel.lda, kernel.a_step) == (rows, 0)
+    elif kind == "a_step":
+        assert (kernel.lda, kernel.a_step) == (0, steps)
 
 
 @pytest.mark.parametrize("mr", [4, 8, 12, 14])

@@ -60,7 +60,8 @@ from kiln.codegen.expr import (
     walk,
 )
 from kiln.codegen.gemm.blocking import round_up
-from kiln.codegen.microkernel import MicroKernel, tile_for
+from kiln.codegen.gemm.spec import stride_of
+from kiln.codegen.microkernel import MicroKernel, rows_evict_each_other, tile_for
 from kiln.codegen.indexing import Index, broadcast
 from kiln.codegen.ops.registry import lowering
 from kiln.codegen.schedule import Schedule
@@ -235,23 +236,22 @@ def fused_attention(ctx: StageCtx, chain: AttentionChain) -> None:
         lead = broadcast(batch, shape[:-2])
         return read(tensor, Index(shape, dims=[*lead.dims, row, col]))
 
-    names = {key: ctx.name(key) for key in ("kp", "vp", "qt", "st", "ot", "mx", "sm")}
-    kp, vp, qt, st, ot, mx, sm = names.values()
+    names = {key: ctx.name(key) for key in ("qt", "st", "ot", "mx", "sm")}
+    qt, st, ot, mx, sm = names.values()
     body: list[ir.Stmt] = [
-        ir.DeclArray(kp, dtype, g.n_pad * g.d), ir.DeclArray(vp, dtype, g.dv_pad * g.n),
         ir.DeclArray(qt, dtype, g.d * g.rows_pad), ir.DeclArray(st, dtype, g.n_pad * g.rows_pad),
         ir.DeclArray(ot, dtype, g.dv_pad * g.rows_pad),
         ir.DeclArray(mx, dtype, g.rows_pad), ir.DeclArray(sm, dtype, g.rows_pad)]
 
-    # K in panels of mr_keys key positions, V in panels of mr_values value columns (the
-    # micro-kernels' A)
-    body += _panels(ctx, kp, g.mr_keys, g.n, g.d, lambda key, k: at(first.inputs[1], k, key),
-                    dtype)
-    body += _panels(ctx, vp, g.mr_values, g.dv, g.n,
-                    lambda col, j: at(second.inputs[1], j, col), dtype)
+    # the micro-kernels' A: K's rows of key positions and V's columns, read where they are when
+    # they are plain loads, else packed into panels of mr_keys key positions and of mr_values
+    # value columns
+    keys = _a_operand(ctx, uk_keys, g.n, g.d, lambda key, k: at(first.inputs[1], k, key))
+    body += keys.packing
+    ctx.info.update(keys=keys.source)
     tile_body: list[ir.Stmt] = _pack_queries(ctx, g, qt, i0, lambda i, k: at(first.inputs[0], i, k),
                                              dtype)
-    tile_body.append(_product(ctx, uk_keys, g.n_pad, g.d, kp, g.d, qt, st, g.rows_pad))
+    tile_body += _product(ctx, keys, g.d, qt, st, g.rows_pad)
 
     # the chain's elementwise ops, column maxima, exponentials and column sums
     c2, j2 = ctx.var("c", g.rows_pad), ctx.var("j", g.n)
@@ -287,14 +287,26 @@ def fused_attention(ctx: StageCtx, chain: AttentionChain) -> None:
                                                 array_load(mx, dtype, c4)))),
             ir.ArrayStore(st, slot3, e),
             ir.ArrayStore(sm, c4, binary("add", array_load(sm, dtype, c4), e))], simd=True)]))
-    tile_body.append(_product(ctx, uk_values, g.dv_pad, g.n, vp, g.n, st, ot, g.rows_pad))
-
-    # O[i, :] = Oᵀ[:, i - i0] / sum[i - i0], through the second MatMul's epilogue (i ranges over
-    # the query rows, so that the epilogue's index maps simplify as the packed GEMM's do)
+    # O = P · V, then O[i, :] / sum[i - i0] through the second MatMul's epilogue (i ranges over
+    # the query rows, so that the epilogue's index maps simplify as the packed GEMM's do): the
+    # tile's O row-major where V's rows can be read in place, else Oᵀ = Vᵀ · Pᵀ
+    v_rows = _values_in_place(ctx, g, uk, lambda j, col: at(second.inputs[1], j, col))
     i, dv = ctx.var("i", g.m), ctx.var("dv", g.dv)
     c5 = sub(i, i0)
+    if v_rows is None:
+        values = _a_operand(ctx, uk_values, g.dv, g.n,
+                            lambda col, j: at(second.inputs[1], j, col))
+        body += values.packing
+        tile_body += _product(ctx, values, g.n, st, ot, g.rows_pad)
+        o_at, kernels = add(mul(dv, g.rows_pad), c5), f"{g.mr_values}x{g.nr}"
+        ctx.info.update(values=values.source)
+    else:
+        product, kernel = _scores_times_values(ctx, g, uk, st, v_rows, ot)
+        tile_body += product
+        o_at, kernels = add(mul(c5, g.dv), dv), f"{kernel.mr}x{kernel.nr} (P·V)"
+        ctx.info.update(values="rows read in place")
     inverse = local(ctx.name("inv"), dtype)
-    value = binary("mul", array_load(ot, dtype, add(mul(dv, g.rows_pad), c5)), inverse)
+    value = binary("mul", array_load(ot, dtype, o_at), inverse)
     out_index = Index(ctx.out().shape, flat=add(mul(add(mul(b, g.m), i), g.dv), dv))
     tile_body.append(ir.Loop(i, i0, imin(add(i0, g.rows), iconst(g.m)), [
         ir.Let(inverse, binary("div", const(1, dtype), array_load(sm, dtype, c5))),
@@ -308,7 +320,8 @@ def fused_attention(ctx: StageCtx, chain: AttentionChain) -> None:
                        [ir.Loop(group, iconst(0), iconst(g.groups), body)], parallel=1,
                        grain="one")],
               math.prod(g.batch) * g.tiles * g.rows_pad * g.n * (g.d + g.dv))
-    ctx.info.update(form="fused attention", micro_kernel=f"{g.mr_keys}x{g.nr}, {g.mr_values}x{g.nr}", rows=g.rows,
+    ctx.info.update(form="fused attention", micro_kernel=f"{g.mr_keys}x{g.nr}, {kernels}",
+                    rows=g.rows,
                     tiles=g.tiles, items=g.items)
 
 
@@ -460,13 +473,135 @@ def _reads_contiguously(ctx: StageCtx, value: Expr, along: Expr, across: Expr) -
     return bool(steps) and all(step == 1 for step in steps[0::2]) and 1 not in steps[1::2]
 
 
-def _product(ctx: StageCtx, uk, m_pad: int, kc: int, a: str, a_k: int, b: str, c: str,
-             ld: int) -> ir.Loop:
-    """C[m_pad × ld] = A · B with the micro-kernel: A in panels of mr rows × `a_k` (the sum),
-    B and C row-major with `ld` columns, whole micro-tiles."""
-    jp, ip = ctx.var("jp", ld // uk.nr), ctx.var("ip", m_pad // uk.mr)
-    call_ = ir.MicroKernelCall(uk, iconst(kc), a, mul(ip, uk.mr * a_k), b, mul(jp, uk.nr), ld,
-                               c, add(mul(ip, uk.mr * ld), mul(jp, uk.nr)), ld,
-                               const(False, BOOL))
-    return ir.Loop(jp, iconst(0), iconst(ld // uk.nr),
-                   [ir.Loop(ip, iconst(0), iconst(m_pad // uk.mr), [call_])])
+@dataclass(frozen=True)
+class AOperand:
+    """A product's A, `extent` rows by the sum: where panel p (`kernel.mr` rows) starts in
+    `buffer`, the statements that fill a packed one (none for a tensor read in place), and how it
+    is read (`source`, for the report)."""
+
+    buffer: str
+    start: Callable[[Expr], Expr]
+    kernel: MicroKernel
+    extent: int
+    packing: list[ir.Stmt]
+    source: str
+
+    @property
+    def in_place(self) -> bool:
+        return not self.packing
+
+
+def _a_operand(ctx: StageCtx, uk: MicroKernel, extent: int, depth: int,
+               value: Callable[[Expr, Expr], Expr]) -> AOperand:
+    """A = value(row, k) for `extent` rows and `depth` steps of the sum. Where A is a plain load
+    of a tensor that steps by one along a row (K [n, d]: rows of key positions, read `lda`
+    apart) or down a column (V [n, dv] read as Vᵀ, Kᵀ [d, n]: each step of the sum a row of the
+    tensor, `a_step` apart), the micro-kernel reads it in place: packing it copied every element
+    once more, in scalar transposing loops. Else panels in a local array (a fused prologue's
+    arithmetic, a gather, rows whose lines share one L1 set)."""
+    row, k = ctx.var("ar", extent), ctx.var("ak", depth)
+    probe = value(row, k)
+    if probe.op == "load" and probe.name in ctx.graph.tensors:
+        kernel = _reading_in_place(uk, stride_of(probe, row) if extent > 1 else depth,
+                                   stride_of(probe, k) if depth > 1 else extent)
+        if kernel is not None:
+            offset = probe.args[0]
+            return AOperand(probe.name, lambda p: substitute(offset, {row: mul(p, uk.mr),
+                                                                      k: iconst(0)}),
+                            kernel, extent, [], "read in place")
+    name = ctx.name("ap")
+    panels = -(-extent // uk.mr)
+    return AOperand(name, lambda p: mul(p, uk.mr * depth), uk, extent,
+                    [ir.DeclArray(name, uk.dtype, panels * uk.mr * depth),
+                     *_panels(ctx, name, uk.mr, extent, depth, value, uk.dtype)], "packed")
+
+
+def _reading_in_place(uk: MicroKernel, row_stride: int | None, step_stride: int | None
+                      ) -> MicroKernel | None:
+    """The micro-kernel reading an A whose rows lie `row_stride` and whose steps of the sum lie
+    `step_stride` elements apart, in place; None where neither is 1 (or the rows' lines would
+    evict each other)."""
+    if step_stride == 1 and row_stride and row_stride > 0:
+        kernel = replace(uk, lda=row_stride)
+        return None if rows_evict_each_other(kernel, row_stride * uk.itemsize) else kernel
+    if row_stride == 1 and step_stride and step_stride > 0:
+        return replace(uk, a_step=step_stride)
+    return None
+
+
+@dataclass(frozen=True)
+class ValueRows:
+    """V read in place as a product's B: its tensor, the offset of row 0 at a column, rows `ld`
+    elements apart."""
+
+    tensor: str
+    at: Callable[[Expr], Expr]
+    ld: int
+
+
+def _values_in_place(ctx: StageCtx, g: Geometry, uk: MicroKernel,
+                     value: Callable[[Expr, Expr], Expr]) -> ValueRows | None:
+    """V = value(key position, column) as rows of B read in place: a plain load stepping by one
+    along a row, its rows a constant distance apart, whole vectors per row (no micro-tile reads
+    past a row's last column); None otherwise."""
+    if g.dv % uk.lanes:
+        return None
+    j, col = ctx.var("vj", g.n), ctx.var("vc", g.dv)
+    probe = value(j, col)
+    if probe.op != "load" or probe.name not in ctx.graph.tensors:
+        return None
+    ld = stride_of(probe, j) if g.n > 1 else g.dv
+    if stride_of(probe, col) != 1 or ld is None or ld < 0:
+        return None
+    offset = probe.args[0]
+    return ValueRows(probe.name, lambda start: substitute(offset, {j: iconst(0), col: start}), ld)
+
+
+def _scores_times_values(ctx: StageCtx, g: Geometry, uk: MicroKernel, st: str, v: ValueRows,
+                         o: str) -> tuple[list[ir.Stmt], MicroKernel]:
+    """o[c·dv + col] = Σ_j P[c, j] · V[j, col] over the tile's (padded) query columns c, and the
+    micro-kernel: A the exponentials where they are (Pᵀ row-major is P column-major, `a_step`
+    = rows_pad), B V's rows in place. O comes out row-major, so the epilogue runs along O's
+    rows: the transposed Oᵀ = Vᵀ · Pᵀ left a gather per output element (BERT: a tenth of the
+    stage's time)."""
+    nr = uk.nr if g.dv % uk.nr == 0 else uk.lanes
+    kernel = replace(uk, mr=panel_rows(g.rows_pad, uk.mr), nr=nr, a_step=g.rows_pad)
+    full, rest = divmod(g.rows_pad, kernel.mr)
+    jp, ip = ctx.var("jp", g.dv // nr), ctx.var("ip", max(full, 1))
+
+    def call_(k: MicroKernel, panel: Expr) -> ir.MicroKernelCall:
+        return ir.MicroKernelCall(k, iconst(g.n), st, mul(panel, kernel.mr), v.tensor,
+                                  v.at(mul(jp, nr)), v.ld, o,
+                                  add(mul(panel, kernel.mr * g.dv), mul(jp, nr)), g.dv,
+                                  const(False, BOOL))
+
+    per_column: list[ir.Stmt] = []
+    if full:
+        per_column.append(ir.Loop(ip, iconst(0), iconst(full), [call_(kernel, ip)]))
+    if rest:
+        per_column.append(call_(replace(kernel, mr=rest), iconst(full)))
+    return [ir.Loop(jp, iconst(0), iconst(g.dv // nr), per_column)], kernel
+
+
+def _product(ctx: StageCtx, a: AOperand, kc: int, b: str, c: str, ld: int) -> list[ir.Stmt]:
+    """C[rows × ld] = A · B with the micro-kernel, B and C row-major with `ld` columns, whole
+    micro-tiles of columns: A's whole panels, then a last partial panel of A read in place with a
+    kernel of just its rows (a packed one is padded with zeros)."""
+    uk = a.kernel
+    full, rest = divmod(a.extent, uk.mr)
+    if not a.in_place and rest:
+        full, rest = full + 1, 0
+    jp, ip = ctx.var("jp", ld // uk.nr), ctx.var("ip", max(full, 1))
+
+    def call_(kernel: MicroKernel, panel: Expr) -> ir.MicroKernelCall:
+        return ir.MicroKernelCall(kernel, iconst(kc), a.buffer, a.start(panel), b,
+                                  mul(jp, uk.nr), ld, c, add(mul(panel, uk.mr * ld),
+                                                             mul(jp, uk.nr)), ld,
+                                  const(False, BOOL))
+
+    per_column: list[ir.Stmt] = []
+    if full:
+        per_column.append(ir.Loop(ip, iconst(0), iconst(full), [call_(uk, ip)]))
+    if rest:
+        per_column.append(call_(replace(uk, mr=rest), iconst(full)))
+    return [ir.Loop(jp, iconst(0), iconst(ld // uk.nr), per_column)]
