@@ -73,6 +73,9 @@ SCORES_BYTES = 32 * 1024  # a tile's scores stay within a 32 KiB L1 data cache
 STACK_BYTES = 384 * 1024  # every local array of one work item (one thread's stack)
 MIN_ITEMS = 8  # work items wanted before row tiles shrink below what L1 allows
 RELAYOUT_GROWTH = 2  # a tensor read by the scores is copied in loop order up to this growth
+# Independent FMAs a core keeps in flight (two FMA pipes, four cycles' latency): a micro-tile with
+# fewer accumulators waits on its own sums
+FMA_CHAINS = 8
 PANEL_OVERHEAD_ROWS = 4  # a micro-tile's fixed cost in rows of multiply-adds (measured, Zen 4)
 REFUSAL = "fused attention"  # the (op, tensor) key a failed trial leaves in the block's refusals
 
@@ -139,10 +142,10 @@ def row_tiling(m: int, column_bytes: int, batch: int, uk: MicroKernel
     """(tiles, rows, rows_pad, nr): `m` query rows in equal tiles of `rows`, padded to `rows_pad`
     columns of scores (`column_bytes` each), run by micro-tiles of `nr` columns. Tiles padded to
     whole micro-kernel widths (`uk.nr`) compete with tiles padded to single vectors, by padded
-    columns over the micro-tile's accumulators: a one-vector-wide tile has `uk.nr / lanes` times
-    fewer independent FMA chains than the full one, and the products run latency-bound at that
-    rate (197 rows: 13 tiles of 16 columns at 6x16, 208 columns, run 1.75x faster than 5 tiles of
-    40 at 6x8, 200 columns)."""
+    columns, each costing more where the micro-tile holds fewer accumulators than FMA_CHAINS: the
+    products then run latency-bound (197 rows on AVX2: 13 tiles of 16 columns at 6x16, 208
+    columns, ran 1.75x faster than 5 tiles of 40 at 6x8, 200 columns; on AVX-512, 13 tiles of 16
+    at 11x16 ran 0.92x the time of 7 tiles of 32 at 11x32, 224 columns, ViT-base on Zen 4)."""
     steps = [uk.nr, uk.lanes] if uk.nr % uk.lanes == 0 else [uk.nr]
 
     def tiling(step: int) -> tuple[int, int, int, int]:
@@ -158,7 +161,7 @@ def row_tiling(m: int, column_bytes: int, batch: int, uk: MicroKernel
 
     def cost(t: tuple[int, int, int, int]) -> float:
         tiles, _, rows_pad, nr = t
-        return tiles * rows_pad * uk.nr / nr
+        return tiles * rows_pad * max(1.0, FMA_CHAINS / (uk.mr * nr // uk.lanes))
 
     return min((tiling(step) for step in steps), key=cost)  # the wider tiles on a tie
 
