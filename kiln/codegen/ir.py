@@ -164,6 +164,11 @@ class Transpose:
     cols: Expr
     vector_bytes: int
 
+    @property
+    def buffers(self) -> tuple[str, ...]:
+        """The names of the buffers and local arrays the call passes."""
+        return (self.src, self.dst)
+
 
 Stmt = (Loop | Let | DeclAcc | Assign | DeclArray | ArrayStore | Store | If | MicroKernelCall
         | Transpose | Barrier)

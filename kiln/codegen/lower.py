@@ -471,7 +471,7 @@ class BlockLowering:
         loaded = {e.name for stage in self.stages for e in walk(ir.all_exprs(stage.body))
                   if e.op == "load"}
         loaded |= {name for stage in self.stages for s in ir.iter_stmts(stage.body)
-                   if isinstance(s, ir.MicroKernelCall) for name in s.buffers}
+                   if isinstance(s, (ir.MicroKernelCall, ir.Transpose)) for name in s.buffers}
         inputs = [t for t in self.block.inputs if t in loaded]
         derived = [d for d in self.derived if d in loaded]
         outputs = list(self.block.outputs)
@@ -493,7 +493,7 @@ def _stages_touching(stages: list[ir.Stage], names: set[str]) -> dict[str, list[
         for stmt in ir.iter_stmts(stage.body):
             if isinstance(stmt, ir.Store):
                 seen.add(stmt.buffer)
-            elif isinstance(stmt, ir.MicroKernelCall):
+            elif isinstance(stmt, (ir.MicroKernelCall, ir.Transpose)):
                 seen.update(stmt.buffers)
         for name in seen & names:
             found.setdefault(name, []).append(index)

@@ -110,6 +110,28 @@ def test_keys_and_values_that_are_plain_loads_are_read_in_place(case):
     assert ("(P·V)" in stage["micro_kernel"]) == (case[5] % lanes == 0)
 
 
+@pytest.mark.parametrize("computed", [False, True])
+def test_queries_that_are_a_plain_load_are_transposed_by_blocks(computed):
+    """Qᵀ of a row tile comes from the vectorised block transpose where Q is a tensor read as it
+    lies, and from the element loops where the block computes it (a Relu ahead of the product)."""
+    from tests.codegen.harness import model, random_inputs
+    spec = {"q": ((1, 2, 37, 16), "float32"), "kt": ((1, 2, 16, 24), "float32"),
+            "v": ((1, 2, 24, 32), "float32")}
+    nodes = [helper.make_node("Relu", ["q"], ["qr"])] if computed else []
+    nodes += [helper.make_node("MatMul", ["qr" if computed else "q", "kt"], ["s"]),
+              helper.make_node("Softmax", ["s"], ["p"], axis=-1),
+              helper.make_node("MatMul", ["p", "v"], ["y"])]
+    onnx_model = model(nodes, spec, ["y"], {})
+    inputs = random_inputs(spec)
+    graph = frontend.build(onnx_model, {}, "attention")
+    kernels = generate(plan := plan_for(graph, "dnnfusion"), host_target())
+    fused = [k for k in kernels if fused_stages([k])]
+    assert len(fused) == 1
+    assert ("kiln_transpose_" in fused[0].source) != computed
+    values = run_kernels(plan, kernels, dict(zip(graph.inputs, inputs.values())))
+    assert_matches([values[t] for t in graph.outputs], reference(onnx_model, inputs))
+
+
 def test_keys_and_values_computed_in_the_block_are_packed():
     """A K and a V that the block computes (a Relu fused ahead of each product) are no tensor to
     read in place: both go into panels, and the result still matches onnxruntime."""
