@@ -74,6 +74,26 @@ def test_fusion_share_counts_only_models_with_removable_time() -> None:
     assert fusion_share(10.0, 9.5, 10.2) == pytest.approx(-0.4)  # fused slower: negative share
 
 
+def test_kernel_split_sums_each_run_before_taking_the_median() -> None:
+    """Two contractions, each slow in a different run: the median of the runs' sums counts a slow
+    run (3 ms in each), the sum of the kernels' medians (2 ms) drops both; runs without samples
+    fall back to the medians."""
+    from bench.fusion_ceiling import kernel_split
+    plan = {"blocks": [{"id": "b0", "ops": [{"type": "MatMul"}]},
+                       {"id": "b1", "ops": [{"type": "MatMul"}]},
+                       {"id": "b2", "ops": [{"type": "Relu"}]}]}
+    ms = 1_000_000
+    kernels = [{"block": "b0", "median_ns": ms, "samples_ns": [ms, 2 * ms, ms]},
+               {"block": "b1", "median_ns": ms, "samples_ns": [2 * ms, ms, ms]},
+               {"block": "b2", "median_ns": ms, "samples_ns": [ms, ms, ms]}]
+    timing = {"latency_ns": {"median": 4 * ms}, "kernels": kernels}
+    split = kernel_split(timing, plan)
+    assert (split.cil, split.mil) == (3.0, 1.0)
+    bare = [{k: v for k, v in kernel.items() if k != "samples_ns"} for kernel in kernels]
+    split = kernel_split({**timing, "kernels": bare}, plan)
+    assert (split.cil, split.mil) == (2.0, 1.0)
+
+
 def test_fusion_share_of_a_measurement_comes_from_per_round_ratios_and_the_cil_fraction() -> None:
     from bench.fusion_ceiling import KernelSplit, Measurement, row
 
