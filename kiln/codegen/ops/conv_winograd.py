@@ -62,22 +62,18 @@ TRANSFORMS = {
 # of 32 — runs 1.6× faster than the direct kernel; 7 × 7 — 16 tiles, half a panel — 2× slower.
 # F(4×4, 3×3) did no better than F(2×2) at 28 × 28 and 56 × 56, with 10× the rounding error.)
 MIN_TILE_PANELS = 1
-# Where a vector holds 16 floats (AVX-512) the products Winograd saves cost half what they do in
-# AVX2's 8 lanes, and its memory traffic — the transforms and 16/9 the weights, from memory in a
-# whole model — as much: there an image needs two panels of tiles. On a Zen 4 class host, CPU
-# time at 1 thread of chains of 3 × 3 convs, each its own weights (cold, as in a model): 49 tiles
-# (14 × 14, 192 and 256 channels) took 0.85× and 0.97× the time by the pixel-rows kernel
-# (0.92× at 2 threads; in isolation, the weights cached, Winograd ran 1.2× faster), 36 tiles
-# (12 × 12, 384) 0.84×; 64 tiles (16 × 16, 96) ran as fast either way and 196 (28 × 28, 128 and
-# 256) 1.25-1.5× faster by Winograd. The same chains built for AVX2 ran faster by Winograd on
-# that host at 49 tiles (0.82×) and 16 (7 × 7, 512: 0.87×).
-MIN_TILE_PANELS_BY_VECTOR_BYTES = {64: 2}
-# The transforms' memory traffic grows with the channels and the tiles, the GEMMs' products with
-# the channels squared: with few input channels (the GEMMs' sum) the transforms dominate. On a
-# 2-core AVX-512 Xeon, wall time of chains of four 3 × 3 convs with their own weights: 64
-# channels at 56 × 56 (784 tiles) ran 0.78× as long by the direct kernel as by Winograd; 128 at
-# 28 × 28 1.19× as long (Winograd wins).
-MIN_CHANNELS_BY_VECTOR_BYTES = {64: 128}
+# An AVX-512 build once asked for two panels of tiles and 128 input channels, from chains of
+# convs timed on a Zen 4 class host (49 tiles of 14 x 14 at 192-256 channels: the pixel-rows
+# kernel 0.85-0.97x Winograd's time) and on a 2-core Xeon (64 channels at 56 x 56: the direct
+# kernel 0.78x). In ResNet-50 on a Zen 4 (family 25 model 17, 2 threads, kernel_ab 20-25
+# rounds), Winograd ran its five 14 x 14 x 256 convs in 0.88-0.90 ms against the pixel-rows
+# kernel's 1.10-1.12 and its three 56 x 56 x 64 convs in 0.97-1.02 against the direct kernel's
+# 1.15-1.18; chains of four 3 x 3 convs took 0.79x (14 x 14 x 256), 0.84x (14 x 14 x 192),
+# 0.90x (12 x 12 x 384) and 0.89x (56 x 56 x 64) the time by Winograd. 7 x 7 x 512 (16 tiles,
+# half a panel of 32) stays with the pixel-rows kernel: 1.55 ms by Winograd against 1.21; and
+# 32 channels at 56 x 56, whose transforms' traffic outweighs the products saved: 1.35x the
+# direct kernel's time.
+MIN_CHANNELS_BY_VECTOR_BYTES = {64: 64}
 
 
 def winograd_tile_size(ctx: StageCtx, w: Window, group: int, acc_dtype: str,
@@ -96,8 +92,7 @@ def winograd_tile_size(ctx: StageCtx, w: Window, group: int, acc_dtype: str,
     uk = micro_kernel(ctx, acc_dtype)
     if in_channels < MIN_CHANNELS_BY_VECTOR_BYTES.get(uk.vector_bytes, 0):
         return 0
-    panels = MIN_TILE_PANELS_BY_VECTOR_BYTES.get(uk.vector_bytes, MIN_TILE_PANELS)
-    return m if tiles >= panels * uk.nr else 0
+    return m if tiles >= MIN_TILE_PANELS * uk.nr else 0
 
 
 def _combination(coefficients, values: list[Expr], dtype: str) -> Expr:
