@@ -254,7 +254,8 @@ def fused_attention(ctx: StageCtx, chain: AttentionChain) -> None:
     ctx.info.update(keys=keys.source)
     tile_body: list[ir.Stmt] = _pack_queries(ctx, g, qt, i0, lambda i, k: at(first.inputs[0], i, k),
                                              dtype)
-    tile_body += _product(ctx, keys, g.d, qt, st, g.rows_pad)
+    tile_body += _product(ctx, keys, g.d, (qt, _column, g.rows_pad), st, g.rows_pad,
+                          g.rows_pad)
 
     # the chain's elementwise ops, column maxima, exponentials and column sums
     c2, j2 = ctx.var("c", g.rows_pad), ctx.var("j", g.n)
@@ -300,7 +301,8 @@ def fused_attention(ctx: StageCtx, chain: AttentionChain) -> None:
         values = _a_operand(ctx, uk_values, g.dv, g.n,
                             lambda col, j: at(second.inputs[1], j, col))
         body += values.packing
-        tile_body += _product(ctx, values, g.n, st, ot, g.rows_pad)
+        tile_body += _product(ctx, values, g.n, (st, _column, g.rows_pad), ot, g.rows_pad,
+                              g.rows_pad)
         o_at, kernels = add(mul(dv, g.rows_pad), c5), f"{g.mr_values}x{g.nr}"
         ctx.info.update(values=values.source)
     else:
@@ -540,6 +542,11 @@ def _reading_in_place(uk: MicroKernel, row_stride: int | None, step_stride: int 
     return None
 
 
+def _column(start: Expr) -> Expr:
+    """The offset of row 0 at a column of a row-major local array."""
+    return start
+
+
 @dataclass(frozen=True)
 class ValueRows:
     """V read in place as a product's B: its tensor, the offset of row 0 at a column, rows `ld`
@@ -577,37 +584,27 @@ def _scores_times_values(ctx: StageCtx, g: Geometry, uk: MicroKernel, st: str, v
     stage's time)."""
     nr = uk.nr if g.dv % uk.nr == 0 else uk.lanes
     kernel = replace(uk, mr=panel_rows(g.rows_pad, uk.mr), nr=nr, a_step=g.rows_pad)
-    full, rest = divmod(g.rows_pad, kernel.mr)
-    jp, ip = ctx.var("jp", g.dv // nr), ctx.var("ip", max(full, 1))
-
-    def call_(k: MicroKernel, panel: Expr) -> ir.MicroKernelCall:
-        return ir.MicroKernelCall(k, iconst(g.n), st, mul(panel, kernel.mr), v.tensor,
-                                  v.at(mul(jp, nr)), v.ld, o,
-                                  add(mul(panel, kernel.mr * g.dv), mul(jp, nr)), g.dv,
-                                  const(False, BOOL))
-
-    per_column: list[ir.Stmt] = []
-    if full:
-        per_column.append(ir.Loop(ip, iconst(0), iconst(full), [call_(kernel, ip)]))
-    if rest:
-        per_column.append(call_(replace(kernel, mr=rest), iconst(full)))
-    return [ir.Loop(jp, iconst(0), iconst(g.dv // nr), per_column)], kernel
+    probabilities = AOperand(st, lambda p: mul(p, kernel.mr), kernel, g.rows_pad, [],
+                             "read in place")
+    return _product(ctx, probabilities, g.n, (v.tensor, v.at, v.ld), o, g.dv, g.dv), kernel
 
 
-def _product(ctx: StageCtx, a: AOperand, kc: int, b: str, c: str, ld: int) -> list[ir.Stmt]:
-    """C[rows × ld] = A · B with the micro-kernel, B and C row-major with `ld` columns, whole
-    micro-tiles of columns: A's whole panels, then a last partial panel of A read in place with a
-    kernel of just its rows (a packed one is padded with zeros)."""
-    uk = a.kernel
+def _product(ctx: StageCtx, a: AOperand, kc: int, b: tuple[str, Callable[[Expr], Expr], int],
+             c: str, ldc: int, columns: int) -> list[ir.Stmt]:
+    """C[rows × columns] = A · B with the micro-kernel, C row-major (`ldc`), B = (buffer, the
+    offset of row 0 at a column, row stride), whole micro-tiles of columns: A's whole panels,
+    then a last partial panel of A read in place with a kernel of just its rows (a packed one is
+    padded with zeros)."""
+    uk, (b_buffer, b_at, ldb) = a.kernel, b
     full, rest = divmod(a.extent, uk.mr)
     if not a.in_place and rest:
         full, rest = full + 1, 0
-    jp, ip = ctx.var("jp", ld // uk.nr), ctx.var("ip", max(full, 1))
+    jp, ip = ctx.var("jp", columns // uk.nr), ctx.var("ip", max(full, 1))
 
     def call_(kernel: MicroKernel, panel: Expr) -> ir.MicroKernelCall:
-        return ir.MicroKernelCall(kernel, iconst(kc), a.buffer, a.start(panel), b,
-                                  mul(jp, uk.nr), ld, c, add(mul(panel, uk.mr * ld),
-                                                             mul(jp, uk.nr)), ld,
+        return ir.MicroKernelCall(kernel, iconst(kc), a.buffer, a.start(panel), b_buffer,
+                                  b_at(mul(jp, uk.nr)), ldb, c,
+                                  add(mul(panel, uk.mr * ldc), mul(jp, uk.nr)), ldc,
                                   const(False, BOOL))
 
     per_column: list[ir.Stmt] = []
@@ -615,4 +612,5 @@ def _product(ctx: StageCtx, a: AOperand, kc: int, b: str, c: str, ld: int) -> li
         per_column.append(ir.Loop(ip, iconst(0), iconst(full), [call_(uk, ip)]))
     if rest:
         per_column.append(call_(replace(uk, mr=rest), iconst(full)))
-    return [ir.Loop(jp, iconst(0), iconst(ld // uk.nr), per_column)]
+    return [ir.Loop(jp, iconst(0), iconst(columns // uk.nr), per_column)]
+
