@@ -204,8 +204,10 @@ def test_stage_seconds_come_from_on_stage(env):
     job_id = new_job()
     assert run_job(settings, db, job_id, "w1", work=staged_work) == "succeeded"
     job = job_row(db, job_id)
-    assert job.stage_seconds["frontend"] == pytest.approx(0.3, abs=0.15)
-    assert job.stage_seconds["load"] == pytest.approx(0.05, abs=0.1)
+    # the stages' own lengths, with room above for a loaded machine (on a 2-vCPU VM in a slow
+    # state the 0.3 s frontend stage measured 0.47 s): each stage is timed, in its own order
+    seconds = job.stage_seconds
+    assert 0.2 <= seconds["frontend"] < 1.5 and 0 <= seconds["load"] < seconds["frontend"]
     assert job.report == {"kernels": 1} and job.stage == "plan"
 
 
