@@ -114,42 +114,42 @@ def test_keys_and_values_that_are_plain_loads_are_read_in_place(case):
 def test_queries_that_are_a_plain_load_are_transposed_by_blocks(computed):
     """Qᵀ of a row tile comes from the vectorised block transpose where Q is a tensor read as it
     lies, and from the element loops where the block computes it (a Relu ahead of the product)."""
-    from tests.codegen.harness import model, random_inputs
     spec = {"q": ((1, 2, 37, 16), "float32"), "kt": ((1, 2, 16, 24), "float32"),
             "v": ((1, 2, 24, 32), "float32")}
     nodes = [helper.make_node("Relu", ["q"], ["qr"])] if computed else []
     nodes += [helper.make_node("MatMul", ["qr" if computed else "q", "kt"], ["s"]),
               helper.make_node("Softmax", ["s"], ["p"], axis=-1),
               helper.make_node("MatMul", ["p", "v"], ["y"])]
-    onnx_model = model(nodes, spec, ["y"], {})
-    inputs = random_inputs(spec)
-    graph = frontend.build(onnx_model, {}, "attention")
-    kernels = generate(plan := plan_for(graph, "dnnfusion"), host_target())
-    fused = [k for k in kernels if fused_stages([k])]
-    assert len(fused) == 1
-    assert ("kiln_transpose_" in fused[0].source) != computed
-    values = run_kernels(plan, kernels, dict(zip(graph.inputs, inputs.values())))
-    assert_matches([values[t] for t in graph.outputs], reference(onnx_model, inputs))
+    fused = _one_fused_kernel_matching_onnxruntime(nodes, spec)
+    assert ("kiln_transpose_" in fused.source) != computed
 
 
 def test_keys_and_values_computed_in_the_block_are_packed():
     """A K and a V that the block computes (a Relu fused ahead of each product) are no tensor to
     read in place: both go into panels, and the result still matches onnxruntime."""
-    from tests.codegen.harness import model, random_inputs
     spec = {"q": ((1, 2, 20, 16), "float32"), "kt": ((1, 2, 16, 24), "float32"),
             "v": ((1, 2, 24, 32), "float32")}
     nodes = [helper.make_node("Relu", ["kt"], ["kr"]), helper.make_node("Relu", ["v"], ["vr"]),
              helper.make_node("MatMul", ["q", "kr"], ["s"]),
              helper.make_node("Softmax", ["s"], ["p"], axis=-1),
              helper.make_node("MatMul", ["p", "vr"], ["y"])]
+    stages = fused_stages([_one_fused_kernel_matching_onnxruntime(nodes, spec)])
+    assert len(stages) == 1 and (stages[0]["keys"], stages[0]["values"]) == ("packed", "packed")
+
+
+def _one_fused_kernel_matching_onnxruntime(nodes, spec):
+    """The one kernel with a fused attention stage in the dnnfusion build of a graph of `nodes`
+    over the inputs `spec` (output "y"), after checking its outputs against onnxruntime."""
+    from tests.codegen.harness import model, random_inputs
     onnx_model = model(nodes, spec, ["y"], {})
     inputs = random_inputs(spec)
     graph = frontend.build(onnx_model, {}, "attention")
     kernels = generate(plan := plan_for(graph, "dnnfusion"), host_target())
-    stages = fused_stages(kernels)
-    assert len(stages) == 1 and (stages[0]["keys"], stages[0]["values"]) == ("packed", "packed")
+    fused = [k for k in kernels if fused_stages([k])]
+    assert len(fused) == 1
     values = run_kernels(plan, kernels, dict(zip(graph.inputs, inputs.values())))
     assert_matches([values[t] for t in graph.outputs], reference(onnx_model, inputs))
+    return fused[0]
 
 
 @pytest.mark.parametrize("rows, steps, kind", [

@@ -326,8 +326,7 @@ def fused_attention(ctx: StageCtx, chain: AttentionChain) -> None:
                        grain="one")],
               math.prod(g.batch) * g.tiles * g.rows_pad * g.n * (g.d + g.dv))
     ctx.info.update(form="fused attention", micro_kernel=f"{g.mr_keys}x{g.nr}, {kernels}",
-                    rows=g.rows,
-                    tiles=g.tiles, items=g.items)
+                    rows=g.rows, tiles=g.tiles, items=g.items)
 
 
 def _operands_in_loop_order(ctx: StageCtx, score: Expr, loops: tuple[Expr, ...]) -> Expr:
