@@ -20,6 +20,7 @@ from kiln.codegen import generate
 from kiln.codegen.gemm.blocking import BALANCE_THREADS, IDLE_SHARE, blocking, idle_share
 from kiln.codegen.microkernel import (
     ISA_TILES,
+    PREFETCH_STEPS,
     MicroKernel,
     fits_registers,
     pixel_rows_source,
@@ -430,10 +431,52 @@ def test_only_kernels_of_several_rows_ask_for_their_streams_ahead(mr, prefetches
     one sequential stream (an LSTM's recurrent sums ran 0.85x the time without them). A
     pixel-rows kernel's last row keeps them (ResNet-50's 14 × 14 convs ran faster with them)."""
     source = vector_extension_source(tile_for(("avx512f",), "float32", 64, mr, 128))
-    assert ("__builtin_prefetch(b + " in source) == prefetches
+    assert ("__builtin_prefetch(ahead + " in source) == prefetches
     pixel_rows = pixel_rows_source(replace(tile_for(("avx512f",), "float32", 64, mr, 32),
                                            pixel_rows=True))
     assert "__builtin_prefetch(b + " in pixel_rows
+
+
+def _prefetched_lines(kernel: MicroKernel, kc: int, ldb: int, tmp_path) -> set[int]:
+    """The float offsets from B of the lines one call of the micro-kernel asks for ahead, built
+    with GCC with `__builtin_prefetch` recording its pointer."""
+    path = tmp_path / "ukr.c"
+    path.write_text(
+        "#include <stdint.h>\n#include <stdio.h>\n#include <stdlib.h>\n"
+        "static const char *asked[4096]; static int count;\n"
+        "#define __builtin_prefetch(p) (asked[count++] = (const char *)(p))\n"
+        + vector_extension_source(kernel) + f"""
+int main(void) {{
+  float *a = calloc({kc * kernel.mr + 4096}, 4), *b = calloc({kc * ldb + 4096}, 4);
+  float *c = calloc({kernel.mr * kernel.nr}, 4);
+  {kernel.function}({kc}, a, b, {ldb}, c, {kernel.nr}, 0);
+  for (int i = 0; i < count; i++)
+    if (asked[i] >= (const char *)b && asked[i] < (const char *)(b + {kc * ldb + 4096}))
+      printf("%ld\\n", (long)((const float *)asked[i] - b));
+  return 0;
+}}
+""")
+    subprocess.run(["gcc", "-O1", "-march=native", str(path), "-o", str(tmp_path / "ukr")],
+                   check=True, capture_output=True)
+    out = subprocess.run([str(tmp_path / "ukr")], check=True, capture_output=True, text=True)
+    return {int(line) for line in out.stdout.split()}
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc")
+@pytest.mark.parametrize("kc, ldb", [(16, 1000), (40, 1000), (16, 32), (100, 32)])
+def test_b_is_asked_for_ahead_where_the_next_calls_read_it(kc, ldb, tmp_path):
+    """Each step asks for B's row `PREFETCH_STEPS` steps on: in the call's own columns while the
+    sum lasts, then in the next call's, whose tile starts `nr` columns on, at row 0, in rows read
+    in place (ldb > nr) and right after this panel in packed ones (ldb = nr). Rows past the sum in
+    the same columns were asked for before: with a sum shorter than the distance (MobileNetV2's
+    1 × 1 convs of 16 and 32 channels at 112²) not one request was for a line a kernel reads."""
+    kernel = tile_for(("avx512f",), "float32", 64, 12, 32)
+    want = set()
+    for k in range(kc):
+        tile, row = divmod(k + PREFETCH_STEPS, kc)
+        start = (tile * kc + row) * ldb if ldb == kernel.nr else tile * kernel.nr + row * ldb
+        want |= {start + e for e in range(0, kernel.nr, 16)}
+    assert _prefetched_lines(kernel, kc, ldb, tmp_path) == want
 
 
 @pytest.mark.parametrize("k, n, threads", [(768, 768, 1), (1100, 1000, 2)])
