@@ -51,6 +51,8 @@ L1_SET_SPAN = 4096
 # How many steps of the sum ahead a micro-kernel asks for B's rows: a packed panel of weights
 # comes from memory on its first sweep, and the hardware prefetchers stop at each 4 KiB page.
 PREFETCH_STEPS = 24
+# The least share of a tile's accumulators a tile of a row fewer keeps (`padding_tiles`).
+PADDING_TILE_CHAINS = 3 / 4
 # Vector registers a micro-kernel may fill, per vector width in bytes (16: SSE's 16, not NEON's 32).
 VECTOR_REGISTERS = {64: 32, 32: 16, 16: 16}
 
@@ -154,6 +156,19 @@ def same_work_tiles(base: MicroKernel) -> list[tuple[int, int]]:
               if accumulators % v == 0 and accumulators // v + v <= loads
               and fits_registers(base.vector_bytes, accumulators, v)]
     return [(base.mr, base.nr)] + [t for t in shapes if t != (base.mr, base.nr)]
+
+
+def padding_tiles(base: MicroKernel) -> list[tuple[int, int]]:
+    """`same_work_tiles`, then each of them with a row fewer where that keeps at least
+    `PADDING_TILE_CHAINS` of its accumulators: still enough independent FMA chains to hide an
+    FMA's latency, for row counts that such a tile divides (AVX-512's 7 × 48 takes a 7 × 7
+    image's 49 pixels and a 14 × 14 one's 196 in whole panels, where 6 × 64 pads to 54 rows and
+    12 × 32 to 204)."""
+    lanes = base.lanes
+    shapes = same_work_tiles(base)
+    fewer = [(mr - 1, nr) for mr, nr in shapes
+             if mr > 1 and (mr - 1) * nr // lanes >= PADDING_TILE_CHAINS * mr * nr // lanes]
+    return shapes + [t for t in fewer if t not in shapes]
 
 
 def rows_evict_each_other(k: MicroKernel, row_bytes: int) -> bool:
