@@ -19,9 +19,11 @@ def ort_session(path: Path, threads: int) -> ort.InferenceSession:
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
-def openvino_call(path: Path, inputs: dict[str, np.ndarray], threads: int) -> Callable:
-    """One OpenVINO inference on `inputs` (CPU, f32, latency hint), returning the outputs in
-    the model's order. Symbolic dimensions are fixed to the inputs' shapes first."""
+def openvino_request(path: Path, inputs: dict[str, np.ndarray], threads: int,
+                     perf_count: bool = False):
+    """An OpenVINO infer request for the model (CPU, f32, latency hint), symbolic dimensions
+    fixed to the inputs' shapes; with `perf_count`, it times every layer it runs
+    (`request.profiling_info`)."""
     try:
         import openvino as ov
     except ImportError:
@@ -30,13 +32,19 @@ def openvino_call(path: Path, inputs: dict[str, np.ndarray], threads: int) -> Ca
     core = ov.Core()
     model = core.read_model(str(path))
     model.reshape({name: ov.PartialShape(list(value.shape)) for name, value in inputs.items()})
-    compiled = core.compile_model(model, "CPU", {
+    return core.compile_model(model, "CPU", {
         "PERFORMANCE_HINT": "LATENCY",
         "INFERENCE_NUM_THREADS": threads,
         "INFERENCE_PRECISION_HINT": "f32",
-    })
-    request = compiled.create_infer_request()
-    outputs = compiled.outputs
+        "PERF_COUNT": perf_count,
+    }).create_infer_request()
+
+
+def openvino_call(path: Path, inputs: dict[str, np.ndarray], threads: int) -> Callable:
+    """One OpenVINO inference on `inputs` (`openvino_request`), returning the outputs in the
+    model's order."""
+    request = openvino_request(path, inputs, threads)
+    outputs = request.model_outputs
 
     def call() -> list[np.ndarray]:
         request.infer(inputs)
