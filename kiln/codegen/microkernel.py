@@ -164,10 +164,9 @@ def padding_tiles(base: MicroKernel) -> list[tuple[int, int]]:
     FMA's latency, for row counts that such a tile divides (AVX-512's 7 × 48 takes a 7 × 7
     image's 49 pixels and a 14 × 14 one's 196 in whole panels, where 6 × 64 pads to 54 rows and
     12 × 32 to 204)."""
-    lanes = base.lanes
     shapes = same_work_tiles(base)
-    fewer = [(mr - 1, nr) for mr, nr in shapes
-             if mr > 1 and (mr - 1) * nr // lanes >= PADDING_TILE_CHAINS * mr * nr // lanes]
+    # a row fewer keeps (mr - 1) / mr of the accumulators, whatever the tile's width
+    fewer = [(mr - 1, nr) for mr, nr in shapes if mr > 1 and mr - 1 >= PADDING_TILE_CHAINS * mr]
     return shapes + [t for t in fewer if t not in shapes]
 
 
@@ -419,7 +418,8 @@ _B_AHEAD_STEP = ["    ahead += ldb;",
                  "    if (++ahead_row == kc) { ahead_row = 0; ahead += ahead_wrap - kc * ldb; }"]
 
 
-def _prefetch_lines(k: MicroKernel, prefetch: Callable[[str], str], b_ahead: str | None) -> list[str]:
+def _prefetch_lines(k: MicroKernel, prefetch: Callable[[str], str],
+                    b_ahead: str | None) -> list[str]:
     """Requests, `PREFETCH_STEPS` steps ahead, for the streams a step reads in order: B's row at
     the pointer `b_ahead` (none without one) and a packed A panel's `mr` values (a convolution's
     weights); none in a 1-row GEMM kernel."""

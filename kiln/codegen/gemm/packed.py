@@ -76,8 +76,9 @@ def least_padding_tile(uk: MicroKernel, rows: int) -> MicroKernel:
     """Of the target's tile, those as fast per step of the sum and those of a row fewer
     (`padding_tiles`), the one whose panels pad A's `rows` least (columns cost about the same for
     every tile: the last panel runs a kernel of just its vectors), if it saves more than
-    `TILE_SAVING` of the work; else the schedule's. On Zen 3 a 1 × 1 conv of 16 output channels over 112 × 112 pixels took
-    0.9× the time in 4 × 24 tiles as in 6 × 16 ones (18 rows, an eighth of the work wasted).
+    `TILE_SAVING` of the work; else the schedule's. On Zen 3 a 1 × 1 conv of 16 output channels
+    over 112 × 112 pixels took 0.9× the time in 4 × 24 tiles as in 6 × 16 ones (18 rows, an
+    eighth of the work wasted).
     (An A read in place runs a kernel of just the last rows instead.)"""
     mr, nr = min(padding_tiles(uk), key=lambda t: round_up(rows, t[0]))
     if round_up(rows, mr) >= (1 - TILE_SAVING) * round_up(rows, uk.mr):
