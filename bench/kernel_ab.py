@@ -28,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.latency import SETTLE_S, WARM_S  # noqa: E402
+from bench.latency import settle_and_warm  # noqa: E402
 from kiln.runtime.artifact import open_artifact  # noqa: E402
 from kiln.runtime.inputs import random_inputs  # noqa: E402
 from kiln.runtime.loader import CompiledModel  # noqa: E402
@@ -74,11 +74,7 @@ def main() -> None:
     for r in range(args.rounds):
         for label in labels[r % len(labels):] + labels[:r % len(labels)]:
             model = models[label]
-            time.sleep(SETTLE_S)
-            warm_until = time.perf_counter() + WARM_S
-            model.run(*feeds)
-            while time.perf_counter() < warm_until:
-                model.run(*feeds)
+            settle_and_warm(lambda: model.run(*feeds))
             start, start_cpu = time.perf_counter(), time.process_time()
             model.run(*feeds)
             wall[label].append(time.perf_counter() - start)

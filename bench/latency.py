@@ -142,6 +142,16 @@ def interleaved_medians(calls: dict[str, Callable], rounds: int, warmup: int,
     return {name: statistics.median(t["wall"]) * 1e3 for name, t in times.items()}
 
 
+def settle_and_warm(call: Callable, settle_s: float = SETTLE_S) -> None:
+    """A pause of `settle_s`, then untimed calls for at least `WARM_S` (at least one): what
+    precedes every timed call (`interleaved_times`)."""
+    time.sleep(settle_s)
+    warm_until = time.perf_counter() + WARM_S
+    call()
+    while time.perf_counter() < warm_until:
+        call()
+
+
 def interleaved_times(calls: dict[str, Callable], rounds: int, warmup: int,
                       settle_s: float = SETTLE_S) -> dict[str, dict[str, list[float]]]:
     """Seconds of each call in every round, by name: "wall" (perf_counter) and "cpu" (the
@@ -158,11 +168,7 @@ def interleaved_times(calls: dict[str, Callable], rounds: int, warmup: int,
     names = list(calls)
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
-            time.sleep(settle_s)
-            warm_until = time.perf_counter() + WARM_S
-            calls[name]()
-            while time.perf_counter() < warm_until:
-                calls[name]()
+            settle_and_warm(calls[name], settle_s)
             start, start_cpu = time.perf_counter(), time.process_time()
             calls[name]()
             times[name]["wall"].append(time.perf_counter() - start)

@@ -2,12 +2,13 @@
 
 For each model, the dnnfusion artifact runs with the driver's per-kernel profile and OpenVINO
 with `PERF_COUNT`, alternately, each call after a pause and warm-up calls
-(`bench.latency.SETTLE_S`, `WARM_S`). A kernel is matched with the OpenVINO layers whose names start
+(`bench.latency.settle_and_warm`). A kernel is matched with the OpenVINO layers whose names start
 with the name of an op of its block or of one of the op's outputs (OpenVINO names a layer after
-the op or output it comes from, a suffix added where it splits one, e.g. `…/Conv/WithoutBiases`). Figures are each layer's 10th percentile over the rounds, steadier than the median on a
-loaded machine. OpenVINO's profile adds its own overhead per layer, so its layers are scaled so
-that their sum relates to its wall time as Kiln's kernels' sum does to Kiln's. Printed: the
-kernels Kiln loses most time on, then those it gains most on.
+the op or output it comes from, a suffix added where it splits one, e.g. `…/Conv/WithoutBiases`).
+Figures are each layer's 10th percentile over the rounds, steadier than the median on a loaded
+machine. OpenVINO's profile adds its own overhead per layer, so its layers are scaled so that
+their sum relates to its wall time as Kiln's kernels' sum does to Kiln's. Printed: the kernels
+Kiln loses most time on, then those it gains most on.
 
     python bench/peer_layers.py [--models resnet50,my.onnx] [--rounds 25] [--top 15] [--keep DIR]
 """
@@ -19,29 +20,23 @@ import ctypes
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import onnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.latency import (SETTLE_S, WARM_S, BenchModel, bench_models,  # noqa: E402
-                           kiln_artifact, work_folder, zoo_arguments)
+from bench.kernel_ab import figure  # noqa: E402
+from bench.latency import (BenchModel, bench_models, kiln_artifact,  # noqa: E402
+                           settle_and_warm, work_folder, zoo_arguments)
 from bench.peers import openvino_request  # noqa: E402
 from kiln.runtime.loader import load  # noqa: E402
 
 
-def p10(values: list[float]) -> float:
-    return sorted(values)[len(values) // 10]
-
-
-def timed(call, settle_s: float = SETTLE_S) -> float:
-    """Seconds of one call after a pause and `WARM_S` of untimed calls."""
-    time.sleep(settle_s)
-    warm_until = time.perf_counter() + WARM_S
-    call()
-    while time.perf_counter() < warm_until:
-        call()
+def timed(call: Callable[[], object]) -> float:
+    """Seconds of one call after `settle_and_warm`."""
+    settle_and_warm(call)
     start = time.perf_counter()
     call()
     return time.perf_counter() - start
@@ -69,8 +64,8 @@ def compare(model: BenchModel, work: Path, threads: int, rounds: int) -> list[tu
         compiled._lib.kiln_model_set_profile(compiled._handle, None)
         for i, t in enumerate(ns):
             kernel_ms[i].append(t / 1e6)
-    kiln_sum = sum(p10(v) for v in kernel_ms)
-    ov_sum = sum(p10(v) for v in layer_ms.values())
+    kiln_sum = sum(figure(v, "p10") for v in kernel_ms)
+    ov_sum = sum(figure(v, "p10") for v in layer_ms.values())
     scale = (statistics.median(wall["ov"]) / ov_sum) / (statistics.median(wall["kiln"]) / kiln_sum)
     outputs = {node.name: set(node.output)
                for node in onnx.load(str(model.path), load_external_data=False).graph.node}
@@ -82,8 +77,8 @@ def compare(model: BenchModel, work: Path, threads: int, rounds: int) -> list[tu
         for op in blocks[kernel["block"]]["ops"]:
             names |= {op["name"]} | outputs.get(op["name"], set())
         matched = [layer for layer in layer_ms if any(layer.startswith(n) for n in names if n)]
-        rows.append((p10(kernel_ms[i]), scale * sum(p10(layer_ms[m]) for m in matched),
-                     len(matched), kernel["symbol"]))
+        ov_ms = scale * sum(figure(layer_ms[m], "p10") for m in matched)
+        rows.append((figure(kernel_ms[i], "p10"), ov_ms, len(matched), kernel["symbol"]))
     return rows, {k: statistics.median(v) * 1e3 for k, v in wall.items()}, scale
 
 
