@@ -233,3 +233,15 @@ def test_kernel_computes_what_it_says(tmp_path):
             assert not out.any()
     np.testing.assert_allclose(out[:, :6], expected, rtol=1e-5, atol=1e-5)
     assert not out[:, 6:].any()
+
+
+@pytest.mark.parametrize("size, tile", [((7, 7), "7x48"), ((8, 8), "8x48")])
+def test_pixel_rows_take_the_tile_whose_panels_they_fill(size, tile):
+    """AVX-512: a 7 × 7 image's 49 pixels fill seven 7 × 48 tiles, where 8 × 48 ones leave a
+    tile of one row (ResNet-50's 3 × 3 convs of 512 channels onto 7 × 7 took 0.98× the time in
+    the model); 64 pixels stay in 8 × 48 tiles. Bias and ReLU in registers, against
+    onnxruntime."""
+    schedule = Schedule(vector_bytes=64, gemm_mr=12, gemm_nr=32)
+    stages = _run(*_conv_model(1, 128, size, 96, 3, 2, (1, 1, 1, 1), "relu"), schedule)
+    assert stages, "the conv did not run with pixels as rows"
+    assert stages[0]["micro_kernel"] == tile
