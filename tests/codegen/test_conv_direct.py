@@ -587,3 +587,22 @@ def _forms(onnx_model, on: Target | None = None) -> str:
     return " ".join(str(info.get("form")) + (f" grid {info['grid']}" if info.get("grid") else "")
                     + (f" ({info['conv']})" if info.get("conv") else "")
                     for kernel in kernels for info in kernel.schedule.get("stages", []))
+
+
+@pytest.mark.parametrize("avx512", [False, True])
+@pytest.mark.parametrize("stride, pads", [(2, (0, 0, 0, 0)), (1, (1, 0, 1, 0)), (3, (1, 1, 0, 0))])
+def test_strided_or_padded_pointwise_conv_runs_as_the_implicit_gemm(avx512, stride, pads):
+    """A 1 × 1 conv of stride 2 (a residual block's shortcut) onto pixels that fill its panels,
+    or a padded one: the implicit GEMM packs the strided gather of the input the direct kernel
+    would copy anyway, and runs the packed kernel's tiles with the epilogue in registers
+    (ResNet-50's from 56 × 56 took 0.83× the time). Against onnxruntime."""
+    rng = np.random.default_rng(stride)
+    spec = {"x": ((1, 64, 48, 48), "float32")}
+    inits = {"w": rng.standard_normal((128, 64, 1, 1)).astype(np.float32),
+             "b": rng.standard_normal(128).astype(np.float32)}
+    onnx_model = model([
+        helper.make_node("Conv", ["x", "w", "b"], ["c"], kernel_shape=[1, 1],
+                         strides=[stride, stride], pads=list(pads)),
+        helper.make_node("Relu", ["c"], ["y"])], spec, ["y"], inits)
+    check_model(onnx_model, random_inputs(spec), partitioners=("none", "dnnfusion"))
+    assert "(implicit GEMM)" in _forms(onnx_model, AVX512 if avx512 else target("x86_64"))
