@@ -102,6 +102,10 @@ class MicroKernel:
     # A rows at a + bases[r] + rows[k] (int32 tables), the finished tile stored transposed
     # (`pixel_rows_source`)
     pixel_rows: bool = False
+    # > 0 (a pixel-rows kernel): at each step of the sum, ask for the line at `ahead + k ·
+    # b_spread` of the next slice of B's panel (`pixel_rows_source`); 0: B's rows
+    # `PREFETCH_STEPS` steps ahead
+    b_spread: int = 0
 
     @property
     def scalar(self) -> str:
@@ -121,7 +125,8 @@ class MicroKernel:
                 + ("pix_" if self.pixel_rows else "")
                 + (f"a{self.lda}_" if self.lda else "")
                 + (f"s{self.a_step}_" if self.a_step else "")
-                + (f"e{self.epilogue.tag}_" if self.epilogue else ""))
+                + (f"e{self.epilogue.tag}_" if self.epilogue else "")
+                + (f"p{self.b_spread}_" if self.b_spread else ""))
         return f"kiln_ukr_{kind}{self.dtype}_{self.mr}x{self.nr}_v{self.vector_bytes}"
 
 
@@ -216,11 +221,14 @@ def vector_extension_source(k: MicroKernel) -> str:
 
 def pixel_rows_source(k: MicroKernel) -> str:
     """A pixel-rows kernel (module docstring) as C with GCC vector extensions: `kernel(kc, a, b,
-    rows, c, ldc, accumulate, bases, out, e0…, finish)`. Each row's broadcasts read off a pointer
-    of its own (`a + bases[r]`), the step's offset `rows[k]` loaded once for all rows; B's panel
-    rows are `nr` apart. Partial sums stay row-major in the local tile `c` (`nr` apart, loaded
-    when `accumulate`); on `finish` the tile epilogue runs and the tile goes to `out` transposed,
-    column j (an output channel's `mr` pixels) at `out + j·ldc`, through a local array."""
+    rows, c, ldc, accumulate, bases, out, [ahead,] e0…, finish)`. Each row's broadcasts read off
+    a pointer of its own (`a + bases[r]`), the step's offset `rows[k]` loaded once for all rows;
+    B's panel rows are `nr` apart. Partial sums stay row-major in the local tile `c` (`nr` apart,
+    loaded when `accumulate`); on `finish` the tile epilogue runs and the tile goes to `out`
+    transposed, column j (an output channel's `mr` pixels) at `out + j·ldc`, through a local
+    array. With `b_spread`, each step asks for `b_spread` elements of B's next slice from
+    `ahead` on, the caller's share of it (`conv_pixels`), instead of B's row `PREFETCH_STEPS`
+    steps on."""
     vec, vecu = f"{k.function}_v", f"{k.function}_vu"
     lanes, vectors = k.lanes, k.nr // k.lanes
     operands = "".join(f", const {k.scalar} *restrict e{n}"
@@ -232,7 +240,7 @@ def pixel_rows_source(k: MicroKernel) -> str:
         f"static __attribute__((noinline)) void {k.function}(int64_t kc, const {k.scalar} *restrict a, "
         f"const {k.scalar} *restrict b, const int32_t *restrict rows, {k.scalar} *restrict c, "
         f"int64_t ldc, int accumulate, const int32_t *restrict bases, {k.scalar} *restrict out"
-        f"{operands}, int finish) {{",
+        f"{f', const {k.scalar} *ahead' if k.b_spread else ''}{operands}, int finish) {{",
     ]
     lines += [f"  const {k.scalar} *restrict a{r} = a + bases[{r}];" for r in range(k.mr)]
     # opaque to GCC: it otherwise folds them back into `a` and adds each row's base to the
@@ -245,8 +253,12 @@ def pixel_rows_source(k: MicroKernel) -> str:
     lines += ["  for (int64_t k = 0; k < kc; ++k) {", "    const int64_t o = rows[k];"]
     lines += [f"    {'' if pin else 'const '}{vec} b{v} = {load(f'b + k * {k.nr} + {v * lanes}')};"
               for v in range(vectors)]
-    lines += _prefetch_lines(k, lambda p: f"__builtin_prefetch({p})",
-                             f"b + (k + {PREFETCH_STEPS}) * {k.nr}")  # panels, one after another
+    if k.b_spread:
+        lines += [f"    __builtin_prefetch(ahead + k * {k.b_spread} + {e});"
+                  for e in range(0, k.b_spread, 64 // k.itemsize)]
+    else:
+        lines += _prefetch_lines(k, lambda p: f"__builtin_prefetch({p})",
+                                 f"b + (k + {PREFETCH_STEPS}) * {k.nr}")  # panels in a row
     if pin:
         lines += pin([f"b{v}" for v in range(vectors)])
     for r in range(k.mr):

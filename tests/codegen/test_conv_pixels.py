@@ -19,7 +19,8 @@ from onnx.reference import ReferenceEvaluator
 from kiln import frontend
 from kiln.codegen import generate
 from kiln.codegen.microkernel import MicroKernel, TileEpilogue, vector_extension_source
-from kiln.codegen.ops.conv_pixels import pixel_rows_wins
+from kiln.codegen.expr import iconst
+from kiln.codegen.ops.conv_pixels import _spread_ahead, pixel_rows_wins
 from kiln.codegen.ops.conv_window import Window
 from kiln.codegen.schedule import Schedule
 from kiln.target import target
@@ -245,3 +246,37 @@ def test_pixel_rows_take_the_tile_whose_panels_they_fill(size, tile):
     stages = _run(*_conv_model(1, 128, size, 96, 3, 2, (1, 1, 1, 1), "relu"), schedule)
     assert stages, "the conv did not run with pixels as rows"
     assert stages[0]["micro_kernel"] == tile
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc")
+@pytest.mark.parametrize("tiles, kc, nr", [(7, 256, 48), (3, 40, 48), (2, 17, 32)])
+def test_tiles_ask_for_their_shares_of_the_next_slice(tiles, kc, nr, tmp_path):
+    """A block's tiles of pixels each ask for a share of the next slice of the weights' panel
+    (`conv_pixels._spread_ahead`): together every line of it, and none of the slice they read."""
+    base = MicroKernel("float32", 7, nr, 64, epilogue=EPILOGUE, pixel_rows=True)
+    kernel, ahead = _spread_ahead(base, tiles, kc, iconst(0), iconst(0))
+    assert kernel.b_spread and ahead is not None
+    path = tmp_path / "ukr.c"
+    calls = "\n".join(
+        f"  {kernel.function}({kc}, a, b, rows, c, 7, 0, bases, out, "
+        f"b + {kc * nr + t * kernel.b_spread * kc}, bias, 0);" for t in range(tiles))
+    path.write_text(
+        "#include <stdint.h>\n#include <stdio.h>\n#include <stdlib.h>\n"
+        "static const char *asked[1 << 16]; static int count;\n"
+        "#define __builtin_prefetch(p) (asked[count++] = (const char *)(p))\n"
+        + vector_extension_source(kernel) + f"""
+int main(void) {{
+  float *a = calloc(4096, 4), *b = calloc({3 * kc * nr}, 4), *c = calloc({7 * nr}, 4);
+  float *out = calloc({7 * nr}, 4), *bias = calloc({nr}, 4);
+  int32_t *rows = calloc({kc}, 4), bases[7] = {{0, 1, 2, 3, 4, 5, 6}};
+{calls}
+  for (int i = 0; i < count; i++) printf("%ld\\n", (long)((const float *)asked[i] - b) / 16);
+  return 0;
+}}
+""")
+    subprocess.run(["gcc", "-O1", str(path), "-o", str(tmp_path / "ukr")], check=True,
+                   capture_output=True)
+    out = subprocess.run([str(tmp_path / "ukr")], check=True, capture_output=True, text=True)
+    asked = {int(line) for line in out.stdout.split()}
+    next_slice = set(range(kc * nr // 16, 2 * kc * nr // 16))
+    assert next_slice <= asked and not asked & set(range(kc * nr // 16))
