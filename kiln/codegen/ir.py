@@ -122,7 +122,8 @@ class MicroKernelCall:
     kernel buffers (packed weights or scratch), `c` a local array. An indirect kernel takes the
     row-offset table `rows + rows_offset` (a kernel buffer of int32) in place of `ldb`. A kernel
     with a tile epilogue also takes `operands` (buffer, offset of the tile's first element) and
-    applies it when `finish` holds (after the last slice of the sum)."""
+    applies it when `finish` holds (after the last slice of the sum); one that spreads its
+    requests for B's next slice (`MicroKernel.b_spread`) takes `ahead` after `accumulate`."""
 
     kernel: MicroKernel
     kc: Expr
@@ -139,11 +140,13 @@ class MicroKernelCall:
     rows_offset: Expr | None = None
     operands: tuple[tuple[str, Expr], ...] = ()
     finish: Expr | None = None
+    ahead: tuple[str, Expr] | None = None  # (buffer, offset) of a `b_spread` kernel's share
 
     @property
     def buffers(self) -> tuple[str, ...]:
         """The names of every buffer and local array the call passes."""
         return (self.a, self.b, self.c, *((self.rows,) if self.rows else ()),
+                *((self.ahead[0],) if self.ahead else ()),
                 *(name for name, _ in self.operands))
 
 
@@ -236,6 +239,7 @@ def stmt_exprs(stmt: Stmt) -> list[Expr]:
         exprs = [stmt.kc, stmt.a_offset, stmt.b_offset, stmt.c_offset, stmt.accumulate]
         exprs += [offset for _, offset in stmt.operands]
         exprs += [stmt.finish] if stmt.finish is not None else []
+        exprs += [stmt.ahead[1]] if stmt.ahead is not None else []
         return exprs + ([stmt.rows_offset] if stmt.rows_offset is not None else [])
     if isinstance(stmt, Transpose):
         return [stmt.src_offset, stmt.dst_offset, stmt.rows, stmt.cols]
@@ -268,6 +272,8 @@ def map_exprs(body: list[Stmt], fn) -> None:
                 stmt.finish = fn(stmt.finish)
             if stmt.rows_offset is not None:
                 stmt.rows_offset = fn(stmt.rows_offset)
+            if stmt.ahead is not None:
+                stmt.ahead = (stmt.ahead[0], fn(stmt.ahead[1]))
         elif isinstance(stmt, Transpose):
             stmt.src_offset, stmt.dst_offset = fn(stmt.src_offset), fn(stmt.dst_offset)
             stmt.rows, stmt.cols = fn(stmt.rows), fn(stmt.cols)

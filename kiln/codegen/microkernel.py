@@ -102,9 +102,9 @@ class MicroKernel:
     # A rows at a + bases[r] + rows[k] (int32 tables), the finished tile stored transposed
     # (`pixel_rows_source`)
     pixel_rows: bool = False
-    # > 0 (a pixel-rows kernel): at each step of the sum, ask for the line at `ahead + k ·
-    # b_spread` of the next slice of B's panel (`pixel_rows_source`); 0: B's rows
-    # `PREFETCH_STEPS` steps ahead
+    # > 0: at each step of the sum, ask for the line at `ahead + k · b_spread` (an argument after
+    # `accumulate`, or after `out` in a pixel-rows kernel), the call's share of the next slice of
+    # B's panels that the block's other tiles read too; 0: B's rows `PREFETCH_STEPS` steps ahead
     b_spread: int = 0
 
     @property
@@ -208,7 +208,8 @@ def vector_extension_source(k: MicroKernel) -> str:
         # an accumulator (a store-to-load round trip per k) and the kernel ran at half speed
         f"static __attribute__((noinline)) void {k.function}(int64_t kc, const {k.scalar} *restrict a, "
         f"const {k.scalar} *restrict b, {rows}, {k.scalar} *restrict c, int64_t ldc, "
-        f"int accumulate{', ' if operands else ''}{operands.rstrip(', ')}{finish}) {{",
+        f"int accumulate{f', const {k.scalar} *ahead' if k.b_spread else ''}"
+        f"{', ' if operands else ''}{operands.rstrip(', ')}{finish}) {{",
     ]
     load = lambda p: f"*(const {vecu} *)({p})"  # noqa: E731
     body = register_tile_body(k, vec, "int64_t", load=load,
@@ -254,8 +255,7 @@ def pixel_rows_source(k: MicroKernel) -> str:
     lines += [f"    {'' if pin else 'const '}{vec} b{v} = {load(f'b + k * {k.nr} + {v * lanes}')};"
               for v in range(vectors)]
     if k.b_spread:
-        lines += [f"    __builtin_prefetch(ahead + k * {k.b_spread} + {e});"
-                  for e in range(0, k.b_spread, 64 // k.itemsize)]
+        lines += _spread_lines(k, lambda p: f"__builtin_prefetch({p})")
     else:
         lines += _prefetch_lines(k, lambda p: f"__builtin_prefetch({p})",
                                  f"b + (k + {PREFETCH_STEPS}) * {k.nr}")  # panels in a row
@@ -378,7 +378,7 @@ def register_tile_body(k: MicroKernel, vec: str, index: str, load: Callable[[str
     acc = [[f"c{r}_{v}" for v in range(vectors)] for r in range(k.mr)]
     lines = [f"  {vec} {acc[r][v]} = accumulate ? {load(f'c + {r} * ldc + {v * lanes}')} : {zero};"
              for r in range(k.mr) for v in range(vectors)]
-    ahead = prefetch is not None and _prefetches_b(k)
+    ahead = prefetch is not None and _prefetches_b(k) and not k.b_spread
     if ahead:
         lines += _b_ahead_start(k, index)
     lines.append(f"  for ({index} k = 0; k < kc; ++k) {{")
@@ -388,6 +388,8 @@ def register_tile_body(k: MicroKernel, vec: str, index: str, load: Callable[[str
               for v in range(vectors)]
     if prefetch:
         lines += _prefetch_lines(k, prefetch, "ahead" if ahead else None)
+    if prefetch and k.b_spread:
+        lines += _spread_lines(k, prefetch)
     if pin:
         lines += pin([f"b{v}" for v in range(vectors)])
     for r in range(k.mr):
@@ -428,6 +430,13 @@ def _b_ahead_start(k: MicroKernel, index: str) -> list[str]:
 
 _B_AHEAD_STEP = ["    ahead += ldb;",
                  "    if (++ahead_row == kc) { ahead_row = 0; ahead += ahead_wrap - kc * ldb; }"]
+
+
+def _spread_lines(k: MicroKernel, prefetch: Callable[[str], str]) -> list[str]:
+    """A step's requests for its `b_spread` elements of the share of B's next slice that the
+    call's `ahead` points at (`MicroKernel.b_spread`)."""
+    return [f"    {prefetch(f'ahead + k * {k.b_spread} + {e}')};"
+            for e in range(0, k.b_spread, 64 // k.itemsize)]
 
 
 def _prefetch_lines(k: MicroKernel, prefetch: Callable[[str], str],

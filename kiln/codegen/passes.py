@@ -351,9 +351,10 @@ class _Binder:
             rows = None if stmt.rows_offset is None else ref(stmt.rows_offset, scope)
             operands = tuple((name, ref(offset, scope)) for name, offset in stmt.operands)
             finish = None if stmt.finish is None else ref(stmt.finish, scope)
+            ahead = None if stmt.ahead is None else (stmt.ahead[0], ref(stmt.ahead[1], scope))
             scope.body.append(replace(stmt, kc=kc, accumulate=accumulate, a_offset=a,
                                       b_offset=b, c_offset=c, rows_offset=rows,
-                                      operands=operands, finish=finish))
+                                      operands=operands, finish=finish, ahead=ahead))
         elif isinstance(stmt, ir.Transpose):
             scope.body.append(replace(stmt, src_offset=ref(stmt.src_offset, scope),
                                       dst_offset=ref(stmt.dst_offset, scope),

@@ -794,3 +794,47 @@ def test_a_lowering_attempt_packs_its_own_operands(monkeypatch):
 
     monkeypatch.setattr(BlockLowering, "lower", retried)
     test_products_of_one_kernel_pack_their_common_operand_once()
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc")
+@pytest.mark.parametrize("tiles, kc", [(11, 256), (2, 40), (4, 7)])
+def test_row_panels_ask_for_their_shares_of_the_next_slice(tiles, kc, tmp_path):
+    """The row panels of a block each ask for a share of the next slice of B's panels (rows
+    `nr` apart in a panel): together every line of it, none of the slice they read."""
+    kernel = replace(tile_for(("avx512f",), "float32", 64, 12, 32), b_spread=-(-32 // tiles))
+    path = tmp_path / "ukr.c"
+    calls = "\n".join(f"  {kernel.function}({kc}, a, b, 32, c, 32, 0, "
+                      f"b + {kc * 32 + t * kernel.b_spread * kc});" for t in range(tiles))
+    path.write_text(
+        "#include <stdint.h>\n#include <stdio.h>\n#include <stdlib.h>\n"
+        "static const char *asked[1 << 16]; static int count;\n"
+        "#define __builtin_prefetch(p) (asked[count++] = (const char *)(p))\n"
+        + vector_extension_source(kernel) + f"""
+int main(void) {{
+  float *a = calloc({kc * 12 + 4096}, 4), *b = calloc({3 * kc * 32}, 4), *c = calloc(384, 4);
+{calls}
+  for (int i = 0; i < count; i++)
+    if (asked[i] >= (const char *)b && asked[i] < (const char *)(b + {3 * kc * 32}))
+      printf("%ld\\n", (long)((const float *)asked[i] - b) / 16);
+  return 0;
+}}
+""")
+    subprocess.run(["gcc", "-O1", str(path), "-o", str(tmp_path / "ukr")], check=True,
+                   capture_output=True)
+    out = subprocess.run([str(tmp_path / "ukr")], check=True, capture_output=True, text=True)
+    asked = {int(line) for line in out.stdout.split()}
+    assert set(range(kc * 2, 2 * kc * 2)) <= asked and not asked & set(range(kc * 2))
+
+
+def test_a_product_over_constant_panels_spreads_its_requests():
+    """128 rows (blocks of several row panels) times a constant 256 × 320 weight matrix in
+    slices of 64: every tile's kernel, the last rows' too, asks for its share of the next slice
+    (`b_spread` in its name), and the product matches onnxruntime across panels, blocks and
+    slices."""
+    spec = {"x": ((128, 256), "float32")}
+    w = np.random.default_rng(5).standard_normal((256, 320)).astype(np.float32)
+    m = model([helper.make_node("MatMul", ["x", "w"], ["y"])], spec, ["y"], {"w": w})
+    kernels = run_with(m, spec, Schedule(vector_bytes=64, gemm_mr=12, gemm_nr=32, gemm_kc=64,
+                                         gemm_nc=128, gemm_l2_bytes=0))
+    called = set(re.findall(r"kiln_ukr_\w+?_v64\(", "\n".join(k.source for k in kernels)))
+    assert called and all(re.search(r"_p\d+_", name) for name in called), called

@@ -23,6 +23,7 @@ from kiln.codegen.expr import (
     logical_and,
     modulo,
     mul,
+    select,
     sub,
     substitute,
 )
@@ -335,12 +336,37 @@ def _operand_batches(spec: Contraction, pr: _Product, t: _Task) -> tuple[Expr, E
 
 
 def _call(pr: _Product, t: _Task, b_offset: Expr, a: tuple[MicroKernel, str, Expr],
-          c: tuple[str, Expr, int]) -> ir.MicroKernelCall:
+          c: tuple[str, Expr, int], spread: tuple[int, Expr] | None = None) -> ir.MicroKernelCall:
     """The micro-kernel update of one tile: `a` = (kernel, A buffer, offset), `c` = (buffer,
-    offset, row stride) of the results."""
+    offset, row stride) of the results; `spread` = (elements per step, offset in B) of the
+    tile's share of B's next slice (`_spread_ahead`)."""
     kernel, a_buffer, a_offset = a
+    ahead = None
+    if spread is not None:
+        kernel, ahead = replace(kernel, b_spread=spread[0]), (pr.b.buffer, spread[1])
     return ir.MicroKernelCall(kernel, t.kc, a_buffer, a_offset, pr.b.buffer, b_offset, pr.b.ld,
-                              *c, t.accumulate)
+                              *c, t.accumulate, ahead=ahead)
+
+
+def _spread_ahead(spec: Contraction, pr: _Product, t: _Task) -> tuple[int, Expr] | None:
+    """Where the tile's share of the next slice of B's panels starts, and its elements per step
+    of the sum: the next panel of the block at this slice, after the last one the first panel's
+    next slice. A block's row panels all read each slice of a panel of B; asking only
+    `PREFETCH_STEPS` ahead, the first one pulls it from memory at the pace its FMAs consume it,
+    which a panel of cold weights cannot keep up with, so each tile asks for a share
+    (`conv_pixels._spread_ahead`). Only B in panels, read by at least two row panels."""
+    uk, blk = pr.uk, pr.blk
+    tiles = blk.mc // uk.mr
+    if pr.streams or pr.b_by_tasks or pr.b.ld != uk.nr or tiles < 2:
+        return None
+    col_panels = imin(iconst(blk.nc // uk.nr),
+                      floordiv(sub(iconst(spec.n + uk.nr - 1), t.j0), uk.nr))
+    _, b_flat = _operand_batches(spec, pr, t)
+    start = select(index_compare("lt", add(t.jp, 1), col_panels),
+                   pr.b.offset(b_flat, t.k0, add(t.j, uk.nr)),
+                   pr.b.offset(b_flat, add(t.k0, blk.kc), t.j0))
+    spread = -(-uk.nr // tiles)
+    return spread, add(start, mul(t.ip, spread * blk.kc))
 
 
 def _tile_update(ctx: StageCtx, spec: Contraction, pr: _Product,
@@ -378,9 +404,11 @@ def _tile_update(ctx: StageCtx, spec: Contraction, pr: _Product,
     edge_rows = pr.rows - full_rows if pr.a.in_place else 0
     edge_cols = round_up(spec.n - full_cols, uk.lanes) % uk.nr
 
+    spread = _spread_ahead(spec, pr, t)
+
     def update(rows: int, cols: int) -> ir.MicroKernelCall:
         kernel = replace(a_whole[0], mr=rows, nr=cols)
-        return _call(pr, t, b_offset, (kernel, pr.a.buffer, a_at), into_tile)
+        return _call(pr, t, b_offset, (kernel, pr.a.buffer, a_at), into_tile, spread)
 
     def across_columns(rows: int) -> ir.Stmt:
         if not edge_cols:
@@ -401,7 +429,8 @@ def _tile_update(ctx: StageCtx, spec: Contraction, pr: _Product,
     # whole micro-tiles update the output itself: no copy through L1
     whole = logical_and(index_compare("le", add(t.i, uk.mr), pr.rows),
                         index_compare("le", add(t.j, uk.nr), spec.n))
-    direct = _call(pr, t, b_offset, a_whole, (output.buffer, output.at(t.i, t.j), output.ldc))
+    direct = _call(pr, t, b_offset, a_whole, (output.buffer, output.at(t.i, t.j), output.ldc),
+                   spread)
     ctx.info["whole_tiles"] = "stored by the micro-kernel"
     if output.epilogue is not None:
         k_blocks = pr.blocks[2]

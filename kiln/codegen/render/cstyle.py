@@ -174,9 +174,10 @@ class CStyleRenderer:
             self.micro_kernels.setdefault(k.function, self.micro_kernel(k))
             rows = (str(stmt.ldb) if stmt.rows is None
                     else f"{stmt.rows} + {x(stmt.rows_offset)}")
+            ahead = f", {stmt.ahead[0]} + {x(stmt.ahead[1])}" if stmt.ahead else ""
             return [f"{k.function}({x(stmt.kc)}, {stmt.a} + {x(stmt.a_offset)}, {stmt.b} + "
                     f"{x(stmt.b_offset)}, {rows}, {stmt.c} + {x(stmt.c_offset)}, {stmt.ldc}, "
-                    f"{x(stmt.accumulate)}{self.epilogue_arguments(stmt)});"]
+                    f"{x(stmt.accumulate)}{ahead}{self.epilogue_arguments(stmt)});"]
         if isinstance(stmt, ir.Transpose):
             name, source = self.transpose(stmt.dtype, stmt.vector_bytes)
             self.micro_kernels.setdefault(name, source)
