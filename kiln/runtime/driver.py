@@ -159,6 +159,9 @@ _PRELUDE = r"""#include <errno.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 enum { KILN_INPUT, KILN_OUTPUT, KILN_WEIGHTS, KILN_ARENA, KILN_SCRATCH };
 
@@ -213,8 +216,20 @@ _RUNTIME = r"""struct kiln_model {
     uint64_t *profile;
 };
 
+/* A region of a huge page or more starts on one and asks for transparent huge pages (Linux's
+   default only grants them to memory that asks): the kernels stream the weights once per run,
+   and in 4 KiB pages each page costs a TLB walk. */
+#define KILN_HUGE_PAGE ((size_t)2 << 20)
 static void *kiln_alloc(size_t nbytes) {
     size_t rounded = (nbytes + 63u) / 64u * 64u;
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    if (rounded >= KILN_HUGE_PAGE) {
+        size_t huge = (rounded + KILN_HUGE_PAGE - 1) / KILN_HUGE_PAGE * KILN_HUGE_PAGE;
+        void *p = aligned_alloc(KILN_HUGE_PAGE, huge);
+        if (p) madvise(p, huge, MADV_HUGEPAGE);
+        return p;
+    }
+#endif
     return aligned_alloc(64, rounded ? rounded : 64u);
 }
 
