@@ -174,6 +174,30 @@ def avx2_micro_kernel(kernel, folder: Path):
 
 
 # --- building small models ------------------------------------------------------------------------
+def prefetched_offsets(kernel, body: str, b_floats: int, folder: Path) -> set[int]:
+    """The float offsets from `b` (`b_floats` long) of the lines a micro-kernel asks for ahead in
+    `body`, C statements that declare `b` and call the kernel, built with GCC with
+    `__builtin_prefetch` recording its pointer."""
+    path = folder / "prefetch.c"
+    path.write_text(
+        "#include <stdint.h>\n#include <stdio.h>\n#include <stdlib.h>\n"
+        "static const char *asked[1 << 16]; static int count;\n"
+        "#define __builtin_prefetch(p) (asked[count++] = (const char *)(p))\n"
+        + vector_extension_source(kernel) + f"""
+int main(void) {{
+{body}
+  for (int i = 0; i < count; i++)
+    if (asked[i] >= (const char *)b && asked[i] < (const char *)(b + {b_floats}))
+      printf("%ld\\n", (long)((const float *)asked[i] - b));
+  return 0;
+}}
+""")
+    subprocess.run(["gcc", "-O1", "-march=native", str(path), "-o", str(folder / "prefetch")],
+                   check=True, capture_output=True)
+    out = subprocess.run([str(folder / "prefetch")], check=True, capture_output=True, text=True)
+    return {int(line) for line in out.stdout.split()}
+
+
 def model(nodes, inputs: Mapping[str, tuple[tuple[int, ...], str]],
           outputs: Sequence[str], initializers: Mapping[str, np.ndarray] | None = None,
           opset: int = 17) -> onnx.ModelProto:

@@ -29,6 +29,7 @@ from tests.codegen.harness import (
     avx2_micro_kernel,
     model,
     plan_for,
+    prefetched_offsets,
     random_inputs,
     reference,
     run_kernels,
@@ -256,27 +257,11 @@ def test_tiles_ask_for_their_shares_of_the_next_slice(tiles, kc, nr, tmp_path):
     base = MicroKernel("float32", 7, nr, 64, epilogue=EPILOGUE, pixel_rows=True)
     kernel, ahead = _spread_ahead(base, tiles, kc, iconst(0), iconst(0))
     assert kernel.b_spread and ahead is not None
-    path = tmp_path / "ukr.c"
-    calls = "\n".join(
-        f"  {kernel.function}({kc}, a, b, rows, c, 7, 0, bases, out, "
-        f"b + {kc * nr + t * kernel.b_spread * kc}, bias, 0);" for t in range(tiles))
-    path.write_text(
-        "#include <stdint.h>\n#include <stdio.h>\n#include <stdlib.h>\n"
-        "static const char *asked[1 << 16]; static int count;\n"
-        "#define __builtin_prefetch(p) (asked[count++] = (const char *)(p))\n"
-        + vector_extension_source(kernel) + f"""
-int main(void) {{
-  float *a = calloc(4096, 4), *b = calloc({3 * kc * nr}, 4), *c = calloc({7 * nr}, 4);
-  float *out = calloc({7 * nr}, 4), *bias = calloc({nr}, 4);
-  int32_t *rows = calloc({kc}, 4), bases[7] = {{0, 1, 2, 3, 4, 5, 6}};
-{calls}
-  for (int i = 0; i < count; i++) printf("%ld\\n", (long)((const float *)asked[i] - b) / 16);
-  return 0;
-}}
-""")
-    subprocess.run(["gcc", "-O1", str(path), "-o", str(tmp_path / "ukr")], check=True,
-                   capture_output=True)
-    out = subprocess.run([str(tmp_path / "ukr")], check=True, capture_output=True, text=True)
-    asked = {int(line) for line in out.stdout.split()}
+    body = (f"  float *a = calloc(4096, 4), *b = calloc({3 * kc * nr}, 4);\n"
+            f"  float *c = calloc({7 * nr}, 4), *out = calloc({7 * nr}, 4), *bias = calloc({nr}, 4);\n"
+            f"  int32_t *rows = calloc({kc}, 4), bases[7] = {{0, 1, 2, 3, 4, 5, 6}};\n")
+    body += "\n".join(f"  {kernel.function}({kc}, a, b, rows, c, 7, 0, bases, out, "
+                       f"b + {kc * nr + t * kernel.b_spread * kc}, bias, 0);" for t in range(tiles))
+    asked = {o // 16 for o in prefetched_offsets(kernel, body, 3 * kc * nr, tmp_path)}
     next_slice = set(range(kc * nr // 16, 2 * kc * nr // 16))
     assert next_slice <= asked and not asked & set(range(kc * nr // 16))

@@ -31,6 +31,7 @@ from kiln.codegen.microkernel import (
 from kiln.codegen.schedule import Schedule
 from kiln.target import host_target
 from tests.codegen.harness import (
+    prefetched_offsets,
     assert_matches,
     check_model,
     model,
@@ -439,28 +440,11 @@ def test_only_kernels_of_several_rows_ask_for_their_streams_ahead(mr, prefetches
 
 
 def _prefetched_lines(kernel: MicroKernel, kc: int, ldb: int, tmp_path) -> set[int]:
-    """The float offsets from B of the lines one call of the micro-kernel asks for ahead, built
-    with GCC with `__builtin_prefetch` recording its pointer."""
-    path = tmp_path / "ukr.c"
-    path.write_text(
-        "#include <stdint.h>\n#include <stdio.h>\n#include <stdlib.h>\n"
-        "static const char *asked[4096]; static int count;\n"
-        "#define __builtin_prefetch(p) (asked[count++] = (const char *)(p))\n"
-        + vector_extension_source(kernel) + f"""
-int main(void) {{
-  float *a = calloc({kc * kernel.mr + 4096}, 4), *b = calloc({kc * ldb + 4096}, 4);
-  float *c = calloc({kernel.mr * kernel.nr}, 4);
-  {kernel.function}({kc}, a, b, {ldb}, c, {kernel.nr}, 0);
-  for (int i = 0; i < count; i++)
-    if (asked[i] >= (const char *)b && asked[i] < (const char *)(b + {kc * ldb + 4096}))
-      printf("%ld\\n", (long)((const float *)asked[i] - b));
-  return 0;
-}}
-""")
-    subprocess.run(["gcc", "-O1", "-march=native", str(path), "-o", str(tmp_path / "ukr")],
-                   check=True, capture_output=True)
-    out = subprocess.run([str(tmp_path / "ukr")], check=True, capture_output=True, text=True)
-    return {int(line) for line in out.stdout.split()}
+    """The float offsets from B of the lines one call of the micro-kernel asks for ahead."""
+    body = (f"  float *a = calloc({kc * kernel.mr + 4096}, 4), *b = calloc({kc * ldb + 4096}, 4);\n"
+            f"  float *c = calloc({kernel.mr * kernel.nr}, 4);\n"
+            f"  {kernel.function}({kc}, a, b, {ldb}, c, {kernel.nr}, 0);")
+    return prefetched_offsets(kernel, body, kc * ldb + 4096, tmp_path)
 
 
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc")
@@ -802,27 +786,11 @@ def test_row_panels_ask_for_their_shares_of_the_next_slice(tiles, kc, tmp_path):
     """The row panels of a block each ask for a share of the next slice of B's panels (rows
     `nr` apart in a panel): together every line of it, none of the slice they read."""
     kernel = replace(tile_for(("avx512f",), "float32", 64, 12, 32), b_spread=-(-32 // tiles))
-    path = tmp_path / "ukr.c"
-    calls = "\n".join(f"  {kernel.function}({kc}, a, b, 32, c, 32, 0, "
-                      f"b + {kc * 32 + t * kernel.b_spread * kc});" for t in range(tiles))
-    path.write_text(
-        "#include <stdint.h>\n#include <stdio.h>\n#include <stdlib.h>\n"
-        "static const char *asked[1 << 16]; static int count;\n"
-        "#define __builtin_prefetch(p) (asked[count++] = (const char *)(p))\n"
-        + vector_extension_source(kernel) + f"""
-int main(void) {{
-  float *a = calloc({kc * 12 + 4096}, 4), *b = calloc({3 * kc * 32}, 4), *c = calloc(384, 4);
-{calls}
-  for (int i = 0; i < count; i++)
-    if (asked[i] >= (const char *)b && asked[i] < (const char *)(b + {3 * kc * 32}))
-      printf("%ld\\n", (long)((const float *)asked[i] - b) / 16);
-  return 0;
-}}
-""")
-    subprocess.run(["gcc", "-O1", str(path), "-o", str(tmp_path / "ukr")], check=True,
-                   capture_output=True)
-    out = subprocess.run([str(tmp_path / "ukr")], check=True, capture_output=True, text=True)
-    asked = {int(line) for line in out.stdout.split()}
+    body = (f"  float *a = calloc({kc * 12 + 4096}, 4), *b = calloc({3 * kc * 32}, 4);\n"
+            "  float *c = calloc(384, 4);\n")
+    body += "\n".join(f"  {kernel.function}({kc}, a, b, 32, c, 32, 0, "
+                       f"b + {kc * 32 + t * kernel.b_spread * kc});" for t in range(tiles))
+    asked = {o // 16 for o in prefetched_offsets(kernel, body, 3 * kc * 32, tmp_path)}
     assert set(range(kc * 2, 2 * kc * 2)) <= asked and not asked & set(range(kc * 2))
 
 
