@@ -258,7 +258,8 @@ def test_tiles_ask_for_their_shares_of_the_next_slice(tiles, kc, nr, tmp_path):
     kernel, ahead = _spread_ahead(base, tiles, kc, iconst(0), iconst(0))
     assert kernel.b_spread and ahead is not None
     body = (f"  float *a = calloc(4096, 4), *b = calloc({3 * kc * nr}, 4);\n"
-            f"  float *c = calloc({7 * nr}, 4), *out = calloc({7 * nr}, 4), *bias = calloc({nr}, 4);\n"
+            f"  float *c = calloc({7 * nr}, 4), *out = calloc({7 * nr}, 4);\n"
+            f"  float *bias = calloc({nr}, 4);\n"
             f"  int32_t *rows = calloc({kc}, 4), bases[7] = {{0, 1, 2, 3, 4, 5, 6}};\n")
     body += "\n".join(f"  {kernel.function}({kc}, a, b, rows, c, 7, 0, bases, out, "
                        f"b + {kc * nr + t * kernel.b_spread * kc}, bias, 0);" for t in range(tiles))
