@@ -103,8 +103,8 @@ class MicroKernel:
     # (`pixel_rows_source`)
     pixel_rows: bool = False
     # > 0: at each step of the sum, ask for the line at `ahead + k · b_spread` (an argument after
-    # `accumulate`, or after `out` in a pixel-rows kernel), the call's share of the next slice of
-    # B's panels that the block's other tiles read too; 0: B's rows `PREFETCH_STEPS` steps ahead
+    # `accumulate`), the call's share of the next slice of B's panels that the block's other
+    # tiles read too; 0: B's rows `PREFETCH_STEPS` steps ahead
     b_spread: int = 0
 
     @property
@@ -222,7 +222,7 @@ def vector_extension_source(k: MicroKernel) -> str:
 
 def pixel_rows_source(k: MicroKernel) -> str:
     """A pixel-rows kernel (module docstring) as C with GCC vector extensions: `kernel(kc, a, b,
-    rows, c, ldc, accumulate, bases, out, [ahead,] e0…, finish)`. Each row's broadcasts read off
+    rows, c, ldc, accumulate, [ahead,] bases, out, e0…, finish)`. Each row's broadcasts read off
     a pointer of its own (`a + bases[r]`), the step's offset `rows[k]` loaded once for all rows;
     B's panel rows are `nr` apart. Partial sums stay row-major in the local tile `c` (`nr` apart,
     loaded when `accumulate`); on `finish` the tile epilogue runs and the tile goes to `out`
@@ -240,8 +240,8 @@ def pixel_rows_source(k: MicroKernel) -> str:
         f"typedef {k.scalar} {vecu} __attribute__((vector_size({k.vector_bytes}), aligned({k.itemsize})));",
         f"static __attribute__((noinline)) void {k.function}(int64_t kc, const {k.scalar} *restrict a, "
         f"const {k.scalar} *restrict b, const int32_t *restrict rows, {k.scalar} *restrict c, "
-        f"int64_t ldc, int accumulate, const int32_t *restrict bases, {k.scalar} *restrict out"
-        f"{f', const {k.scalar} *ahead' if k.b_spread else ''}{operands}, int finish) {{",
+        f"int64_t ldc, int accumulate{f', const {k.scalar} *ahead' if k.b_spread else ''}, "
+        f"const int32_t *restrict bases, {k.scalar} *restrict out{operands}, int finish) {{",
     ]
     lines += [f"  const {k.scalar} *restrict a{r} = a + bases[{r}];" for r in range(k.mr)]
     # opaque to GCC: it otherwise folds them back into `a` and adds each row's base to the

@@ -261,8 +261,9 @@ def test_tiles_ask_for_their_shares_of_the_next_slice(tiles, kc, nr, tmp_path):
             f"  float *c = calloc({7 * nr}, 4), *out = calloc({7 * nr}, 4);\n"
             f"  float *bias = calloc({nr}, 4);\n"
             f"  int32_t *rows = calloc({kc}, 4), bases[7] = {{0, 1, 2, 3, 4, 5, 6}};\n")
-    body += "\n".join(f"  {kernel.function}({kc}, a, b, rows, c, 7, 0, bases, out, "
-                       f"b + {kc * nr + t * kernel.b_spread * kc}, bias, 0);" for t in range(tiles))
+    body += "\n".join(f"  {kernel.function}({kc}, a, b, rows, c, 7, 0, "
+                       f"b + {kc * nr + t * kernel.b_spread * kc}, bases, out, bias, 0);"
+                       for t in range(tiles))
     asked = {o // 16 for o in prefetched_offsets(kernel, body, 3 * kc * nr, tmp_path)}
     next_slice = set(range(kc * nr // 16, 2 * kc * nr // 16))
     assert next_slice <= asked and not asked & set(range(kc * nr // 16))

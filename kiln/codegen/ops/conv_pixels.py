@@ -221,8 +221,8 @@ def pixel_rows_conv(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: Con
         return ir.MicroKernelCall(
             kernel, kc, copy, mul(b, segment), packed, b_at, kernel.nr, tile, slot,
             target.ldc, accumulate, rows, k0,
-            ((positions, i_lo), (target.buffer, target.offset),
-             *(((packed, ahead),) if ahead is not None else ()), *target.operands), finish)
+            ((positions, i_lo), (target.buffer, target.offset), *target.operands), finish,
+            ahead=None if ahead is None else (packed, ahead))
 
     def across_panels(rows_: int) -> ir.Stmt:
         whole = replace(uk, mr=rows_, epilogue=target.epilogue)
