@@ -20,7 +20,8 @@ from kiln import frontend
 from kiln.codegen import generate
 from kiln.codegen.microkernel import MicroKernel, TileEpilogue, vector_extension_source
 from kiln.codegen.expr import iconst
-from kiln.codegen.ops.conv_pixels import _spread_ahead, pixel_rows_wins
+from kiln.codegen.gemm.packed import spread_ahead
+from kiln.codegen.ops.conv_pixels import pixel_rows_wins
 from kiln.codegen.ops.conv_window import Window
 from kiln.codegen.schedule import Schedule
 from kiln.target import target
@@ -253,9 +254,9 @@ def test_pixel_rows_take_the_tile_whose_panels_they_fill(size, tile):
 @pytest.mark.parametrize("tiles, kc, nr", [(7, 256, 48), (3, 40, 48), (2, 17, 32)])
 def test_tiles_ask_for_their_shares_of_the_next_slice(tiles, kc, nr, tmp_path):
     """A block's tiles of pixels each ask for a share of the next slice of the weights' panel
-    (`conv_pixels._spread_ahead`): together every line of it, and none of the slice they read."""
+    (`packed.spread_ahead`): together every line of it, and none of the slice they read."""
     base = MicroKernel("float32", 7, nr, 64, epilogue=EPILOGUE, pixel_rows=True)
-    kernel, ahead = _spread_ahead(base, tiles, kc, iconst(0), iconst(0))
+    kernel, ahead = spread_ahead(base, nr, tiles, kc, iconst(kc * nr), iconst(0))
     assert kernel.b_spread and ahead is not None
     body = (f"  float *a = calloc(4096, 4), *b = calloc({3 * kc * nr}, 4);\n"
             f"  float *c = calloc({7 * nr}, 4), *out = calloc({7 * nr}, 4);\n"

@@ -47,7 +47,7 @@ from kiln.codegen.expr import (
     substitute,
 )
 from kiln.codegen.gemm.blocking import Blocking, blocking, round_up
-from kiln.codegen.gemm.packed import least_padding_tile, micro_kernel
+from kiln.codegen.gemm.packed import least_padding_tile, micro_kernel, spread_ahead
 from kiln.codegen.gemm.register_epilogue import register_epilogue
 from kiln.codegen.gemm.spec import constant_values, stride_of
 from kiln.codegen.indexing import Index
@@ -217,7 +217,8 @@ def pixel_rows_conv(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: Con
     def call(kernel: MicroKernel) -> ir.MicroKernelCall:
         # B: the group's panels of K rows each, the last one as wide as its channels
         b_at = add(mul(g, k_total * mg), mul(j_lo, k_total), mul(k0, kernel.nr))
-        kernel, ahead = _spread_ahead(kernel, blk.mc // uk.mr, blk.kc, b_at, ip)
+        kernel, ahead = spread_ahead(kernel, kernel.nr, blk.mc // uk.mr, blk.kc,
+                                     add(b_at, blk.kc * kernel.nr), ip)
         return ir.MicroKernelCall(
             kernel, kc, copy, mul(b, segment), packed, b_at, kernel.nr, tile, slot,
             target.ldc, accumulate, rows, k0,
@@ -263,23 +264,6 @@ def pixel_rows_conv(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: Con
         ctx.attach_info()
         epilogue_pass(ctx, ops, sums, pixels)
     return True
-
-
-def _spread_ahead(kernel: MicroKernel, tiles: int, kc: int, b_at: Expr,
-                  ip: Expr) -> tuple[MicroKernel, Expr | None]:
-    """The kernel asking for its share of the next slice of B's panel, and where that share
-    starts: the block's tiles of pixels reuse each slice of the weights, so the first tile alone
-    would pull it from memory at the rate the FMAs consume it; spread over all the tiles' steps
-    the slice comes in at the slice's pace. On Zen 4 a 7 × 48 kernel over a 3 × 3 conv's
-    weights of 512 channels, cold, ran at 0.86× the FMAs per second it reaches on warm ones
-    asking for its own slice `PREFETCH_STEPS` ahead, at 0.97× asking for its share of the next
-    one; in ResNet-50 its 3 × 3 convs onto 7 × 7 took 0.93-0.96× the time. (One tile per block:
-    as before.)"""
-    if tiles < 2:
-        return kernel, None
-    spread = -(-kernel.nr // tiles)
-    next_slice = add(b_at, kc * kernel.nr)
-    return replace(kernel, b_spread=spread), add(next_slice, mul(ip, spread * kc))
 
 
 def _weights(ctx: StageCtx, ops: ConvOperands, w_shape: tuple[int, ...], group: int,
