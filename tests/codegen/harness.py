@@ -23,7 +23,7 @@ from kiln.ecg import Graph
 from kiln.plan import FusionPlan, partitioner
 from kiln.profile.machine import host_machine
 from kiln.profile.roofline import RooflineModel
-from kiln.target import host_target
+from kiln.target import Target, host_target
 
 CFLAGS = ("-O2", "-fopenmp-simd", "-pthread", "-shared", "-fPIC")
 BUILD_DIR = Path(tempfile.gettempdir()) / "kiln-codegen-tests"
@@ -101,12 +101,13 @@ def run_kernels(plan: FusionPlan, kernels: Sequence[Kernel],
     return values
 
 
-def run_graph(graph: Graph, partitioner_name: str,
-              inputs: Mapping[str, np.ndarray]) -> list[np.ndarray]:
-    """Plan, generate and run; `inputs` are in the order of the graph's inputs (a dict keyed by
-    the model's input names keeps that order)."""
+def run_graph(graph: Graph, partitioner_name: str, inputs: Mapping[str, np.ndarray],
+              on: Target | None = None) -> list[np.ndarray]:
+    """Plan, generate for target `on` (default: this machine; built with its flags) and run;
+    `inputs` are in the order of the graph's inputs (a dict keyed by the model's input names
+    keeps that order)."""
     plan = plan_for(graph, partitioner_name)
-    kernels = generate(plan, host_target())
+    kernels = generate(plan, on or host_target())
     feeds = dict(zip(graph.inputs, inputs.values()))
     values = run_kernels(plan, kernels, feeds)
     return [values[t] for t in graph.outputs]
@@ -148,12 +149,13 @@ def assert_matches(got: Sequence[np.ndarray], want: Sequence[np.ndarray], what: 
 
 
 def check_model(model: onnx.ModelProto, inputs: Mapping[str, np.ndarray],
-                partitioners: Sequence[str] = PARTITIONERS) -> None:
-    """The generated kernels of every partitioner's plan match onnxruntime on `model`."""
+                partitioners: Sequence[str] = PARTITIONERS, on: Target | None = None) -> None:
+    """The generated kernels of every partitioner's plan (for target `on`, default this
+    machine) match onnxruntime on `model`."""
     want = reference(model, inputs)
     graph = frontend.build(model, {}, "test")
     for name in partitioners:
-        got = run_graph(graph, name, inputs)
+        got = run_graph(graph, name, inputs, on)
         assert_matches(got, want, f"[{name}]")
 
 

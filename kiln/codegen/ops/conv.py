@@ -76,6 +76,7 @@ from kiln.codegen.gemm.contraction import contraction
 from kiln.codegen.gemm.spec import AOperand, BOperand, Contraction
 from kiln.codegen.gemm.blocking import blocking, round_up
 from kiln.codegen.gemm.packed import TASK_COPY_BYTES, least_padding_tile, micro_kernel
+from kiln.codegen.ops.conv_channels import channel_lanes_applies, channel_lanes_conv
 from kiln.codegen.ops.conv_direct import (
     calls_function,
     depthwise_plane,
@@ -184,7 +185,9 @@ def conv_stage(ctx: StageCtx, weight: int, operands: Callable[[str, bool], ConvO
             _implicit_gemm(ctx, geometry, w_shape, ops, group)
     else:
         in_shape = ctx.graph.tensors[ops.x].shape
-        if (depthwise_plane_applies(ctx, geometry, in_shape[1], group, ops.acc_dtype)
+        if channel_lanes_applies(ctx, geometry, in_shape[1], group, w_shape[0], ops.acc_dtype):
+            channel_lanes_conv(ctx, geometry, w_shape, ops, in_shape)
+        elif (depthwise_plane_applies(ctx, geometry, in_shape[1], group, ops.acc_dtype)
                 and not _tiny_rows_in_place(ctx, geometry, ops, in_shape[1], group)):
             depthwise_plane(ctx, geometry, w_shape, ops, group, in_shape)
         elif not _depthwise_conv(ctx, geometry, w_shape, ops, group):
