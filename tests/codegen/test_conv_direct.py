@@ -443,8 +443,8 @@ def test_narrow_depthwise_planes_with_a_silu():
 @pytest.mark.parametrize("on,form", [(None, "depthwise"), (target("x86_64"), "depthwise planes")],
                          ids=["host", "avx2"])
 def test_depthwise_rows_under_half_a_vector_run_in_place(on, form):
-    """A 3 × 3 depthwise conv onto 7 × 7 planes under a ReLU6 (MobileNetV2's last stages): rows
-    under half an AVX-512 vector run in place, with no padded plane; AVX2's 8 lanes keep the
+    """A 3 × 3 depthwise conv onto 7 × 7 planes under a ReLU6 on 5 channels (not a vector of
+    them, `test_conv_channels`): rows under half an AVX-512 vector run in place, with no padded plane; AVX2's 8 lanes keep the
     planes. A SiLU keeps them everywhere (`test_narrow_depthwise_planes_with_a_silu`). It
     matches onnxruntime."""
     if on is None and host_target().vector_bytes < 64:

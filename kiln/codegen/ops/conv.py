@@ -519,7 +519,8 @@ def _border(out_size: int, in_size: int, kernel: int, stride: int, dilation: int
 def _tiny_rows_in_place(ctx: StageCtx, w: Window, ops: ConvOperands, x_channels: int,
                         group: int) -> bool:
     """Whether a depthwise conv whose output rows are under half a vector, under an epilogue that
-    calls no function (a ReLU6), runs in place (`_depthwise_conv`) rather than over padded
+    calls no function (a ReLU6), on channels that are not whole vectors (those run with channels
+    as lanes, `conv_channels`), runs in place (`_depthwise_conv`) rather than over padded
     planes: a plane's copy, its grid rows of sums and their packing cost more than its few border
     points do in place (MobileNetV2's 3 × 3 convs onto 7 × 7 with AVX-512: 0.76× the time, 0.6×
     while the VM ran slow). Wider rows kept the planes: at 14 × 14 and 28 × 28 they ran 1.15-1.3×
