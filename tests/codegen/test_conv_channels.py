@@ -128,6 +128,20 @@ def test_other_depthwise_convs_keep_their_forms(channels, width, multiplier):
     assert FORM not in _forms_on(onnx_model, AVX512)
 
 
+@pytest.mark.parametrize("gpu", ["opencl", "cuda"])
+def test_gpu_targets_keep_their_depthwise_forms(gpu):
+    """GPU renderers have no vector transposes and work-groups of their own: a depthwise conv
+    onto rows of one pixel (under half of OpenCL's 4 lanes) on 8 channels keeps the planes
+    there, and its source renders."""
+    rng = np.random.default_rng(27)
+    spec = {"x": ((1, 8, 3, 2), "float32")}
+    inits = {"w": rng.standard_normal((8, 1, 3, 3)).astype(np.float32)}
+    onnx_model = model([helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[3, 3],
+                                         pads=[1, 1, 1, 1], strides=[1, 2], group=8)],
+                       spec, ["y"], inits)
+    assert FORM not in _forms_on(onnx_model, target(gpu))
+
+
 def _forms_on(onnx_model, on: Target) -> str:
     graph = frontend.build(onnx_model, {}, "test")
     return " | ".join(str(info.get("form")) for kernel in generate(plan_for(graph, "none"), on)

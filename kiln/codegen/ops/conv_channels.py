@@ -39,11 +39,12 @@ def _padded_extent(w: Window, d: int) -> int:
 
 def channel_lanes_applies(ctx: StageCtx, w: Window, x_channels: int, group: int,
                           channels_out: int, acc_dtype: str) -> bool:
-    """A 2-D float depthwise conv (one output channel per input channel) whose output rows are
-    under half a vector, on a whole number of vectors of channels, with blocks that fit the
-    stack."""
-    if (len(w.kernel) != 2 or acc_dtype not in ("float32", "float64")
-            or ctx.schedule.vector_bytes <= 0 or group != x_channels or channels_out != group):
+    """A 2-D float depthwise conv (one output channel per input channel) on a CPU (no GPU's
+    work-groups: its renderers have no vector transposes) whose output rows are under half a
+    vector, on a whole number of vectors of channels, with blocks that fit the stack."""
+    s = ctx.schedule
+    if (len(w.kernel) != 2 or acc_dtype not in ("float32", "float64") or s.vector_bytes <= 0
+            or s.gemm_work_group or group != x_channels or channels_out != group):
         return False
     lanes = micro_kernel(ctx, acc_dtype).lanes
     if lanes < 2 or x_channels % lanes or 2 * w.out_size[1] >= lanes:
