@@ -13,7 +13,7 @@ from kiln import frontend
 from kiln.codegen import generate
 from kiln.target import Target, host_target, target
 from tests.codegen.harness import check_model, model, plan_for, random_inputs
-from tests.codegen.test_conv_direct import AVX512, _conv_model, windows
+from tests.codegen.test_conv_direct import AVX512, _conv_model, depthwise_5x5_silu, windows
 
 LANES = {"avx512": 16, "avx2": 8}
 FORM = "depthwise, channels as lanes"
@@ -86,15 +86,7 @@ def test_narrow_planes_with_a_silu_run_with_channels_as_lanes():
     """EfficientNet's 5 × 5 depthwise convs onto 7 × 7 with a SiLU, on 16 channels: the
     epilogue runs along each channel's plane after the transpose back; it matches
     onnxruntime."""
-    rng = np.random.default_rng(24)
-    spec = {"x": ((2, 16, 7, 7), "float32")}
-    inits = {"w": rng.standard_normal((16, 1, 5, 5)).astype(np.float32),
-             "b": rng.standard_normal(16).astype(np.float32)}
-    onnx_model = model([
-        helper.make_node("Conv", ["x", "w", "b"], ["c"], kernel_shape=[5, 5], pads=[2, 2, 2, 2],
-                         group=16),
-        helper.make_node("Sigmoid", ["c"], ["s"]),
-        helper.make_node("Mul", ["c", "s"], ["y"])], spec, ["y"], inits)
+    onnx_model, spec = depthwise_5x5_silu((2, 16, 7, 7), seed=24)
     check_model(onnx_model, random_inputs(spec), partitioners=("none", "dnnfusion"))
     assert FORM in _forms_on(onnx_model, AVX512)
 

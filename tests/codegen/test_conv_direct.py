@@ -427,17 +427,25 @@ def test_narrow_depthwise_planes_with_a_silu():
     """A 5 × 5 depthwise conv onto 7 × 7 planes with a fused SiLU (EfficientNet's last stage):
     rows narrower than two vectors, so the sums are packed densely and the epilogue runs over
     the whole plane; it matches onnxruntime."""
-    rng = np.random.default_rng(11)
-    spec = {"x": ((2, 6, 7, 7), "float32")}
-    inits = {"w": rng.standard_normal((6, 1, 5, 5)).astype(np.float32),
-             "b": rng.standard_normal(6).astype(np.float32)}
-    onnx_model = model([
-        helper.make_node("Conv", ["x", "w", "b"], ["c"], kernel_shape=[5, 5], pads=[2, 2, 2, 2],
-                         group=6),
-        helper.make_node("Sigmoid", ["c"], ["s"]),
-        helper.make_node("Mul", ["c", "s"], ["y"])], spec, ["y"], inits)
+    onnx_model, spec = depthwise_5x5_silu((2, 6, 7, 7), seed=11)
     check_model(onnx_model, random_inputs(spec), partitioners=("none", "dnnfusion"))
     assert [s.get("form") for s in _fused_stages(onnx_model)] == ["depthwise planes"]
+
+
+def depthwise_5x5_silu(shape: tuple[int, ...], seed: int):
+    """A 5 × 5 depthwise conv (pads 2) with a bias, then a SiLU, over an input of `shape`: the
+    model and its input spec."""
+    rng = np.random.default_rng(seed)
+    channels = shape[1]
+    spec = {"x": (shape, "float32")}
+    inits = {"w": rng.standard_normal((channels, 1, 5, 5)).astype(np.float32),
+             "b": rng.standard_normal(channels).astype(np.float32)}
+    onnx_model = model([
+        helper.make_node("Conv", ["x", "w", "b"], ["c"], kernel_shape=[5, 5], pads=[2, 2, 2, 2],
+                         group=channels),
+        helper.make_node("Sigmoid", ["c"], ["s"]),
+        helper.make_node("Mul", ["c", "s"], ["y"])], spec, ["y"], inits)
+    return onnx_model, spec
 
 
 @pytest.mark.parametrize("on,form", [(None, "depthwise"), (target("x86_64"), "depthwise planes")],
