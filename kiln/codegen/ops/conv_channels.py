@@ -3,16 +3,19 @@
 Where an output row is under half a vector (7 × 7 planes on AVX-512), a depthwise conv laid out
 as NCHW vectorises badly along its rows: each plane's rows are a few lanes of a vector, and its
 border points run one at a time. Here the planes of `lanes` consecutive channels, contiguous in
-NCHW, are copied and transposed on the stack (`ir.Transpose`, through vector registers) into
+NCHW, are transposed onto the stack (`ir.Transpose`, through vector registers) into
 pixel-major order, one vector per pixel holding its `lanes` channels, zero-padded round the
 plane; every tap of every output pixel is then one vector multiply-add with the tap's weights of
 those channels, at any stride and dilation and with no border cases. The sums are transposed
 back to the channels' planes, and the bias and fused epilogue run along each plane's pixels.
 This is the blocked channel layout (NCHWc) inside one kernel, with its layout transforms at the
-kernel's edges. On Sapphire Rapids at one thread: MobileNetV2's 3 × 3 conv on 960 channels of
-7 × 7 took 0.32× the time of the in-place kernel (`conv._depthwise_conv`), its stride-2 conv onto
-7 × 7 0.6×; on 14 × 14 planes the two transposes cost more than the rows' remainders and this
-form ran 1.15× the padded planes' time (`conv_direct.depthwise_plane`), hence only tiny rows."""
+kernel's edges. On Sapphire Rapids at one thread, MobileNetV2's 3 × 3 conv on 960 channels of
+7 × 7 took 0.5× the time of the in-place kernel (`conv._depthwise_conv`; 0.84× in the model at
+2 threads, EfficientNet-B0's 5 × 5 SiLU ones onto 7 × 7 0.66-0.83× the padded planes'). On
+wider planes the two transposes cost more than the rows' remainders: a hand-written version of
+this form took 1.15× the padded planes' time (`conv_direct.depthwise_plane`) on 14 × 14 and
+1.7× on 28 × 28, and in EfficientNet-B0 its 14 × 14 convs ran 1.1-1.35× slower; hence only
+tiny rows."""
 from __future__ import annotations
 
 import math
@@ -25,9 +28,9 @@ from kiln.codegen.contexts import StageCtx
 from kiln.codegen.expr import (Expr, add, array_load, binary, const, iconst, load, mul,
                                substitute)
 from kiln.codegen.gemm.packed import micro_kernel
-from kiln.codegen.gemm.spec import constant_values, stride_of
+from kiln.codegen.gemm.spec import stride_of
 from kiln.codegen.indexing import Index
-from kiln.codegen.ops.conv_window import ConvOperands, Window
+from kiln.codegen.ops.conv_window import ConvOperands, Window, constant_weights
 
 STACK_BYTES = 1 << 18  # the blocks a task keeps on the stack, at most
 
@@ -64,12 +67,12 @@ def channel_lanes_conv(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: 
     (ih, iw), (oh, ow) = w.in_size, w.out_size
     in_pixels, out_pixels = ih * iw, oh * ow
     hp, wp = _padded_extent(w, 0), _padded_extent(w, 1)
-    block, tile, padded, sums = (ctx.name(n) for n in ("block", "tile", "padded", "sums"))
+    tile, padded, sums = ctx.name("tile"), ctx.name("padded"), ctx.name("sums")
     p = ctx.var("p", batch * channels // lanes)
     first = mul(p, lanes)  # the block's first (image · channels + channel)
     m0 = Index((batch, channels), flat=first).dims[1]
 
-    to_pixels = _to_pixel_major(ctx, ops, in_shape, first, block, tile, lanes)
+    to_pixels = _to_pixel_major(ctx, ops, in_shape, first, tile, lanes)
     z = ctx.var("z", hp * wp * lanes)
     zero = ir.Loop(z, iconst(0), iconst(hp * wp * lanes),
                    [ir.ArrayStore(padded, z, const(0, dtype))], simd=True)
@@ -90,10 +93,11 @@ def channel_lanes_conv(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: 
 
 
 def _to_pixel_major(ctx: StageCtx, ops: ConvOperands, in_shape: tuple[int, ...], first: Expr,
-                    block: str, tile: str, lanes: int) -> list[ir.Stmt]:
+                    tile: str, lanes: int) -> list[ir.Stmt]:
     """The block's `lanes` input planes (contiguous in NCHW) transposed into `tile`, a vector of
     channels per pixel: straight from the input where it is read as it lies, else through a
-    copy into `block` (the input's fused prologue evaluated once per element there)."""
+    copy into a block of their own (the input's fused prologue evaluated once per element
+    there)."""
     dtype, pixels = ops.acc_dtype, math.prod(in_shape[2:])
     q = ctx.var("q", lanes * pixels)
     value = ops.once(Index(in_shape, flat=add(mul(first, pixels), q)))
@@ -102,6 +106,7 @@ def _to_pixel_major(ctx: StageCtx, ops: ConvOperands, in_shape: tuple[int, ...],
         return [ir.Transpose(dtype, value.name, substitute(value.args[0], {q: iconst(0)}), pixels,
                              tile, iconst(0), lanes, iconst(lanes), iconst(pixels),
                              ctx.schedule.vector_bytes)]
+    block = ctx.name("block")
     return [ir.DeclArray(block, dtype, lanes * pixels),
             ir.Loop(q, iconst(0), iconst(lanes * pixels), [ir.ArrayStore(block, q, value)],
                     simd=True),
@@ -156,10 +161,7 @@ def _tap_weights(ctx: StageCtx, w_shape: tuple[int, ...], ops: ConvOperands, m0:
     weights laid out at compile time as a vector of the block's channels per tap; others
     gathered so per block."""
     taps, dtype = math.prod(w_shape[2:]), ops.acc_dtype
-    numel = math.prod(w_shape)
-    flat = ctx.var("w", numel)
-    values = constant_values(ctx, ops.read_w(Index(w_shape, flat=flat)), (flat,),
-                             [np.arange(numel)])
+    values = constant_weights(ctx, ops, w_shape)
     if values is not None:
         by_block = values.reshape(-1, lanes, taps).transpose(0, 2, 1).astype(dtype)
         table = ctx.derived(np.ascontiguousarray(by_block).reshape(-1))

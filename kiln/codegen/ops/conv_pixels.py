@@ -49,7 +49,7 @@ from kiln.codegen.expr import (
 from kiln.codegen.gemm.blocking import Blocking, blocking, round_up
 from kiln.codegen.gemm.packed import least_padding_tile, micro_kernel, spread_ahead
 from kiln.codegen.gemm.register_epilogue import register_epilogue
-from kiln.codegen.gemm.spec import constant_values, stride_of
+from kiln.codegen.gemm.spec import stride_of
 from kiln.codegen.indexing import Index
 from kiln.codegen.microkernel import MicroKernel, TileEpilogue, same_work_tiles
 from kiln.codegen.ops.conv_direct import (
@@ -64,7 +64,7 @@ from kiln.codegen.ops.conv_direct import (
     direct_tile,
     slice_tiles,
 )
-from kiln.codegen.ops.conv_window import ConvOperands, Window
+from kiln.codegen.ops.conv_window import ConvOperands, Window, constant_weights
 
 MAX_ROWS = 8  # a row's broadcasts read off a pointer of its own: general registers for them all
 
@@ -271,12 +271,10 @@ def _weights(ctx: StageCtx, ops: ConvOperands, w_shape: tuple[int, ...], group: 
     """The weights as B panels: per group, panels of `nr` output channels (the last one as wide
     as the channels left), each K rows of its channels, one after the other; None if they are
     not constants."""
-    numel = math.prod(w_shape)
-    px = ctx.var("px", numel)
-    values = constant_values(ctx, ops.read_w(Index(w_shape, flat=px)), (px,), [np.arange(numel)])
+    values = constant_weights(ctx, ops, w_shape)
     if values is None:
         return None
-    mg, k_total = w_shape[0] // group, numel // w_shape[0]
+    mg, k_total = w_shape[0] // group, values.size // w_shape[0]
     per_group = values.reshape(group, mg, k_total)
     panels = [np.ascontiguousarray(per_group[:, j:j + nr].transpose(0, 2, 1)).reshape(group, -1)
               for j in range(0, mg, nr)]

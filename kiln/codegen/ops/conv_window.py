@@ -3,10 +3,15 @@ convolution kernel shares (`conv.py`'s loop nests and implicit GEMM, `conv_direc
 `conv_winograd.py`, AGO's intensive fusion and GraphTurbo's tiled stages)."""
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
+from kiln.codegen.contexts import StageCtx
 from kiln.codegen.expr import Expr, add, floordiv, iconst, imax, imin, mul, sub
+from kiln.codegen.gemm.spec import constant_values
 from kiln.codegen.indexing import Index
 from kiln.ecg import Op
 
@@ -82,3 +87,13 @@ class ConvOperands:
     @property
     def once(self) -> Reader:
         return self.read_x_once or self.read_x
+
+
+def constant_weights(ctx: StageCtx, ops: ConvOperands, w_shape: tuple[int, ...]
+                     ) -> np.ndarray | None:
+    """The weights' values, flat in their own order, gathered at compile time; None if they are
+    not constants."""
+    numel = math.prod(w_shape)
+    flat = ctx.var("w", numel)
+    return constant_values(ctx, ops.read_w(Index(w_shape, flat=flat)), (flat,),
+                           [np.arange(numel)])
