@@ -28,15 +28,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.latency import settle_and_warm  # noqa: E402
+from bench.latency import settle_and_warm, tenth_percentile  # noqa: E402
 from kiln.runtime.artifact import open_artifact  # noqa: E402
 from kiln.runtime.inputs import random_inputs  # noqa: E402
 from kiln.runtime.loader import CompiledModel  # noqa: E402
 
 
 def figure(values: list[float], stat: str) -> float:
-    ordered = sorted(values)
-    return ordered[len(ordered) // 10] if stat == "p10" else statistics.median(ordered)
+    return tenth_percentile(values) if stat == "p10" else statistics.median(values)
 
 
 def kernels_of(model: CompiledModel) -> list[tuple[str, frozenset[str]]]:

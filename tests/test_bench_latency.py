@@ -144,6 +144,20 @@ def test_interleaved_times_time_every_call_on_both_clocks() -> None:
     assert max(times["idle"]["cpu"]) < 0.001 < min(times["idle"]["wall"])
 
 
+def test_tenth_percentile_shows_the_quiet_rounds_a_slow_phase_hides_from_the_median() -> None:
+    from bench.latency import tenth_percentile, wall_ms
+
+    # 20 rounds, 12 of them in a phase that slows one contender by a third and the other little
+    kiln = [0.050] * 12 + [0.0375] * 8
+    peer = [0.040] * 12 + [0.0375] * 8
+    times = {"kiln": {"wall": kiln, "cpu": kiln}, "peer": {"wall": peer, "cpu": peer}}
+    median, quiet = wall_ms(times, statistics.median), wall_ms(times, tenth_percentile)
+    assert median["kiln"] / median["peer"] == pytest.approx(1.25)
+    assert quiet == pytest.approx({"kiln": 37.5, "peer": 37.5})
+    assert tenth_percentile([3.0, 1.0, 2.0]) == 1.0  # under ten values: the fastest
+    assert tenth_percentile(list(range(20, 0, -1))) == 3  # the third of twenty
+
+
 def test_partitioners_table_has_a_row_per_partitioner_and_peer(tmp_path: Path) -> None:
     import argparse
 
