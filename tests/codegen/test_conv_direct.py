@@ -3,6 +3,8 @@ against onnxruntime: random kernels (stems with 3 input channels and 7×7 window
 strides, dilations, asymmetric pads, groups, batches, and fused prologues and epilogues."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -11,13 +13,15 @@ from onnx import helper
 
 from kiln import frontend
 from kiln.codegen import generate
+from kiln.codegen.backend import backend_for
 from kiln.codegen.gemm.blocking import BALANCE_THREADS, balanced, round_up
 from kiln.codegen.microkernel import VECTOR_REGISTERS, tile_for
 from kiln.codegen.ops.conv_direct import _phase_grid, computed_columns, direct_tile
 from kiln.codegen.ops.conv_window import Window
 from kiln.codegen.schedule import Schedule
 from kiln.target import Target, host_target, target
-from tests.codegen.harness import check_model, model, plan_for, random_inputs
+from tests.codegen.harness import (assert_matches, check_model, model, plan_for,
+                                   random_inputs, reference, run_kernels)
 
 
 @st.composite
@@ -298,6 +302,31 @@ def test_winograd_conv(case, fusion):
     onnx_model, inputs = _conv_model(case, fusion, seed=7)
     check_model(onnx_model, inputs, partitioners=("none", "dnnfusion"))
     assert "Winograd" in _forms(onnx_model)
+
+
+def _l2_for_bands_of_one_panel(cin: int) -> int:
+    """An L2 size that holds a Winograd conv's U and V, M blocks of 32-40 tiles, for `cin` input
+    channels and at most 36 rows of output channels (`conv_winograd.band_tiles`)."""
+    return 16 * 4 * (36 * cin + 40 * (cin + 36))
+
+
+@settings(max_examples=8, deadline=None)
+@given(winograd_cases(), st.sampled_from(["none", "relu-in", "relu-out"]))
+def test_winograd_conv_by_bands(case, fusion):
+    """With an L2 that holds U and a panel's worth of tiles, each task runs all three stages for
+    a band of tiles: bands that cut through tile rows, a partial last band, batches."""
+    onnx_model, inputs = _conv_model(case, fusion, seed=5)
+    schedule = replace(backend_for(host_target()).schedule,
+                       gemm_l2_bytes=_l2_for_bands_of_one_panel(case[0][1]))
+    graph = frontend.build(onnx_model, {}, "test")
+    want = reference(onnx_model, inputs)
+    for name in ("none", "dnnfusion"):
+        plan = plan_for(graph, name)
+        kernels = generate(plan, host_target(), schedule)
+        stages = [info for kernel in kernels for info in kernel.schedule.get("stages", [])]
+        assert any(info.get("band_rows") for info in stages), stages
+        values = run_kernels(plan, kernels, dict(zip(graph.inputs, inputs.values())))
+        assert_matches([values[t] for t in graph.outputs], want, name)
 
 
 AVX512 = Target("x86_64", "x86_64", ("avx512f", "avx2", "fma"), "gcc", ("-mavx512f", "-mfma"))
