@@ -64,7 +64,7 @@ def genes(target: Target) -> tuple[Gene, ...]:
         Gene("gemm_nc", ({}, *({"gemm_nc": v} for v in (128, 192, 384, 512, 1024)))),
         Gene("gemm_kc", ({}, *({"gemm_kc": v} for v in (128, 192, 384, 512, 768)))),
         Gene("gemm_l2_bytes", ({}, *({"gemm_l2_bytes": v} for v in (0, 1 << 19, 1 << 21)))),
-        Gene("gemm_omp_schedule", ({}, {"gemm_omp_schedule": "static"})),
+        Gene("gemm_omp_schedule", ({}, {"gemm_omp_schedule": "dynamic"})),
         Gene("matmul_tile", ({}, *({"matmul_tile_m": m, "matmul_tile_n": n}
                                    for m in (8, 16, 32, 64) for n in (32, 64, 128, 256)
                                    if (m, n) != (32, 64)))),
@@ -85,7 +85,7 @@ def genes(target: Target) -> tuple[Gene, ...]:
 # source are dropped), most promising first; at most QUICK_MAX distinct kernels per block.
 QUICK: tuple[Overrides, ...] = (
     {},
-    {"gemm_omp_schedule": "static"},
+    {"gemm_omp_schedule": "dynamic"},
     {"gemm_mc": 48, "gemm_nc": 128},
     {"gemm_mc": 192, "gemm_nc": 512, "gemm_kc": 384},
     {"matmul_tile_m": 16, "matmul_tile_n": 128},

@@ -17,6 +17,7 @@ from onnx import helper
 
 from kiln import frontend
 from kiln.codegen import generate
+from kiln.codegen.backend import backend_for
 from kiln.codegen.gemm.blocking import BALANCE_THREADS, IDLE_SHARE, blocking, idle_share
 from kiln.codegen.microkernel import (
     ISA_TILES,
@@ -806,3 +807,20 @@ def test_a_product_over_constant_panels_spreads_its_requests():
                                          gemm_nc=128, gemm_l2_bytes=0))
     called = set(re.findall(r"kiln_ukr_\w+?_v64\(", "\n".join(k.source for k in kernels)))
     assert called and all(re.search(r"_p\d+_", name) for name in called), called
+
+
+def test_gemm_tasks_split_evenly_by_default_and_by_demand_when_tuned_so():
+    """A 1 × 1 conv's GEMM tasks go out as even runs (each thread the same pixels the kernels
+    around it gave it) unless the schedule asks for them on demand; the result is the same."""
+    spec = {"x": ((1, 64, 20, 20), "float32")}
+    w = np.random.default_rng(3).standard_normal((96, 64, 1, 1)).astype(np.float32)
+    m = model([helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[1, 1])], spec, ["y"],
+              {"w": w})
+    default = backend_for(host_target()).schedule
+    assert Schedule().gemm_omp_schedule == default.gemm_omp_schedule == "static"
+    for schedule, mode in ((default, "KILN_POOL_EVEN"),
+                           (replace(default, gemm_omp_schedule="dynamic"), "KILN_POOL_DYNAMIC")):
+        kernels = run_with(m, spec, schedule)
+        assert "packed" in forms(kernels)
+        calls = re.findall(r"kiln_parallel_for\([^;]*?(KILN_POOL_\w+)\)", kernels[0].source)
+        assert calls and set(calls) == {mode}, calls

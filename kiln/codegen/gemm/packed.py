@@ -302,7 +302,9 @@ def _task(ctx: StageCtx, spec: Contraction, pr: _Product) -> _Task:
     uk, blk = pr.uk, pr.blk
     row_blocks, col_blocks, k_blocks = pr.blocks
     p = ctx.var("p", pr.batches * row_blocks * col_blocks)
-    b, rb, cb = Index((pr.batches, row_blocks, col_blocks), flat=p).dims
+    # column blocks outermost: an even split gives each thread a run of whole columns (a conv's
+    # pixels), the run the kernels before and after it give that thread too
+    b, cb, rb = Index((pr.batches, col_blocks, row_blocks), flat=p).dims
     i0, j0 = mul(rb, blk.mc), mul(cb, blk.nc)
     tile = ctx.name("ct")
     kb = ctx.var("kb", k_blocks)

@@ -369,7 +369,7 @@ def _banded(ctx: StageCtx, g: _Tiles, ops: ConvOperands, in_shape: tuple[int, ..
     ctx.stage(f"Winograd conv of {ctx.op.id} by bands of {rows_per_band} rows of tiles",
               [ir.Loop(q, iconst(0), iconst(g.batch * bands),
                        [input_stage, zero_tail, products_stage, output_stage], parallel=1,
-                       grain="one")],
+                       grain="one" if ctx.schedule.gemm_omp_schedule == "dynamic" else "even")],
               g.batch * g.tiles * points * (channels + g.kout))
 
 
