@@ -142,8 +142,7 @@ def max_diff(calls: dict[str, Callable]) -> dict[str, float]:
 def interleaved_medians(calls: dict[str, Callable], rounds: int, warmup: int,
                         settle_s: float = SETTLE_S) -> dict[str, float]:
     """Median milliseconds per call over `interleaved_times`' rounds."""
-    times = interleaved_times(calls, rounds, warmup, settle_s)
-    return {name: statistics.median(t["wall"]) * 1e3 for name, t in times.items()}
+    return wall_ms(interleaved_times(calls, rounds, warmup, settle_s), statistics.median)
 
 
 def tenth_percentile(values: Sequence[float]) -> float:

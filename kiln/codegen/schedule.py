@@ -96,6 +96,11 @@ class Schedule:
     gemm_local_bytes: int = 0
 
     @property
+    def task_grain(self) -> str:
+        """The grain of the GEMM and conv task loops that `gemm_omp_schedule` asks for."""
+        return "one" if self.gemm_omp_schedule == "dynamic" else "even"
+
+    @property
     def stitch_type(self) -> str:
         """FusionStitching's sched_type this kernel runs with: "row", "column" or "none"."""
         if self.stitch_blocks <= 0:

@@ -503,7 +503,7 @@ def _stage(ctx: StageCtx, spec: Contraction, pr: _Product, t: _Task, tile_update
         ctx.info["threads"] = "one (a short stream of weights)"
     ctx.stage(f"contraction {ctx.op.op_type} ({ctx.op.id}), packed GEMM",
               [ir.Loop(t.p, iconst(0), iconst(tasks), body, parallel=0 if serial else 1,
-                       grain="one" if ctx.schedule.gemm_omp_schedule == "dynamic" else "even")],
+                       grain=ctx.schedule.task_grain)],
               bt * spec.m * spec.n * spec.k)
     ctx.info.update(form="packed", micro_kernel=f"{uk.mr}x{uk.nr}", vector_bytes=uk.vector_bytes,
                     mc=blk.mc, nc=blk.nc, kc=blk.kc, tasks=tasks, product_rows=pr.rows)

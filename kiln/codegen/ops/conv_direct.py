@@ -283,7 +283,7 @@ def direct_conv(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: ConvOpe
     body.append(ir.Loop(kb, iconst(0), iconst(k_blocks), per_slice))
     ctx.stage(f"conv ({ctx.op.id}), direct over the padded input",
               [ir.Loop(p, iconst(0), iconst(tasks), body, parallel=1,
-                       grain="one" if s.gemm_omp_schedule == "dynamic" else "even")],
+                       grain=s.task_grain)],
               bt * mg * pixels * k_total)
     ctx.info.update(form="direct GEMM", micro_kernel=f"{uk.mr}x{uk.nr}", mc=blk.mc, nc=blk.nc,
                     kc=blk.kc, tasks=tasks, grid=f"{len(grid.phases)}x{grid.hq}x{grid.wq}")

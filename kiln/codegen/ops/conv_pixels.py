@@ -254,7 +254,7 @@ def pixel_rows_conv(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: Con
     body.append(ir.Loop(kb, iconst(0), iconst(k_blocks), per_slice))
     ctx.stage(f"conv ({ctx.op.id}), direct with pixels as rows",
               [ir.Loop(p, iconst(0), iconst(tasks), body, parallel=1,
-                       grain="one" if s.gemm_omp_schedule == "dynamic" else "even")],
+                       grain=s.task_grain)],
               bt * pixels * mg * k_total)
     ctx.info.update(form="direct, pixels as rows", micro_kernel=f"{uk.mr}x{uk.nr}",
                     mc=blk.mc, nc=blk.nc, kc=blk.kc, tasks=tasks,

@@ -132,19 +132,16 @@ def _sandwich(left, tile: list[list[Expr]], dtype: str) -> list[list[Expr]]:
 def winograd_conv(ctx: StageCtx, w: Window, w_shape: tuple[int, ...], ops: ConvOperands,
                   in_shape: tuple[int, ...], m: int) -> None:
     g_matrix = np.array(TRANSFORMS[m][1], dtype=np.float64)
-    alpha = m + 2
     dtype = ops.acc_dtype
-    batch, channels = in_shape[0], in_shape[1]
-    kout = w_shape[0]
+    kout, channels = w_shape[0], in_shape[1]
     th, tw = (-(-o // m) for o in w.out_size)
     uk = micro_kernel(ctx, dtype)
-    points = alpha * alpha
+    geometry = _Tiles(w, m, in_shape[0], channels, kout, round_up(kout, uk.mr), th, tw)
+    points, rows = geometry.points, geometry.rows
     weights = ctx.const(1).astype(np.float64)
     u = np.einsum("xa,kcab,yb->xykc", g_matrix, weights, g_matrix).reshape(points, kout, channels)
-    rows = round_up(kout, uk.mr)
     u = np.concatenate([u, np.zeros((points, rows - kout, channels))], axis=1)
     packed_u = array_panels(ctx, u.astype(dtype), uk.mr)
-    geometry = _Tiles(w, m, batch, channels, kout, rows, th, tw)
     band = band_rows(ctx, geometry, uk)
     if band:
         _banded(ctx, geometry, ops, in_shape, uk, packed_u, band)
@@ -369,7 +366,7 @@ def _banded(ctx: StageCtx, g: _Tiles, ops: ConvOperands, in_shape: tuple[int, ..
     ctx.stage(f"Winograd conv of {ctx.op.id} by bands of {rows_per_band} rows of tiles",
               [ir.Loop(q, iconst(0), iconst(g.batch * bands),
                        [input_stage, zero_tail, products_stage, output_stage], parallel=1,
-                       grain="one" if ctx.schedule.gemm_omp_schedule == "dynamic" else "even")],
+                       grain=ctx.schedule.task_grain)],
               g.batch * g.tiles * points * (channels + g.kout))
 
 
